@@ -1,0 +1,264 @@
+#include "arena.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+
+#include "cuda_backend.hpp"
+#include "errors.hpp"
+#include "thread_pool.hpp"
+
+namespace gpu_offload {
+namespace {
+
+constexpr std::size_t kHugePage = 2u << 20;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::string human(std::size_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%zu bytes (%.2f GiB)", bytes, bytes / double(1u << 30));
+  return buf;
+}
+
+// Maps size bytes and faults every page in from all cores at once: page population, not the copy, is
+// what makes pinning slow, and it parallelises well (calibration: 8 GiB in 0.46 s on 16 cores with huge
+// pages, against 5 s for cudaHostAlloc).
+void* map_and_touch(std::size_t size) {
+  void* ptr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  GO_CHECK(ptr != MAP_FAILED, "mmap of " + human(size) + " failed: " + std::strerror(errno));
+#ifdef MADV_HUGEPAGE
+  madvise(ptr, size, MADV_HUGEPAGE);  // best effort: fewer page faults and TLB entries where THP allows
+#endif
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  auto& pool = ThreadPool::instance();
+  const std::size_t shards = std::min<std::size_t>(pool.num_threads(), std::max<std::size_t>(1, size / kHugePage));
+  const std::size_t per = round_up(size / shards + 1, page);
+  char* base = static_cast<char*>(ptr);
+  pool.parallel_for(shards, [&](std::size_t s) {
+    const std::size_t begin = s * per, end = std::min(size, begin + per);
+    for (std::size_t off = begin; off < end; off += page) base[off] = 0;
+  });
+  return ptr;
+}
+
+}  // namespace
+
+std::string to_string(PinMode mode) {
+  switch (mode) {
+    case PinMode::kAuto: return "auto";
+    case PinMode::kNone: return "none";
+    case PinMode::kHostAlloc: return "hostalloc";
+    case PinMode::kRegister: return "register";
+  }
+  return "?";
+}
+
+std::size_t available_host_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::size_t value = 0;
+  std::string unit;
+  while (meminfo >> key >> value >> unit) {
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return 0;
+}
+
+HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
+    : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {}
+
+HostArena::~HostArena() {
+  for (auto& [id, slab] : slabs_) {
+    try {
+      release_slab(slab);
+    } catch (...) {
+      // A destructor must not throw; the process is usually exiting here anyway.
+    }
+  }
+}
+
+PinMode HostArena::resolve_mode() {
+  if (mode_ == PinMode::kAuto) mode_ = cuda::available() ? PinMode::kRegister : PinMode::kNone;
+  return mode_;
+}
+
+PinMode HostArena::pin_mode() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return mode_;
+}
+
+void HostArena::insert_free(std::uint64_t slab_id, std::size_t offset, std::size_t size) {
+  slabs_.at(slab_id).free_blocks.emplace(offset, size);
+  by_size_.emplace(size, slab_id, offset);
+}
+
+void HostArena::erase_free(std::uint64_t slab_id, std::size_t offset, std::size_t size) {
+  slabs_.at(slab_id).free_blocks.erase(offset);
+  by_size_.erase(FreeKey{size, slab_id, offset});
+}
+
+void HostArena::add_slab(std::size_t size) {
+  const std::size_t available = available_host_memory();
+  GO_CHECK(available == 0 || size <= available,
+           "refusing to pin " + human(size) + ": the machine has only " + human(available) +
+               " available (MemAvailable); free host memory or lower the arena's max_bytes");
+  const auto start = std::chrono::steady_clock::now();
+  Slab slab;
+  slab.size = size;
+  slab.mode = resolve_mode();
+  switch (slab.mode) {
+    case PinMode::kHostAlloc:
+      slab.base = reinterpret_cast<std::uintptr_t>(cuda::host_alloc(size));
+      break;
+    case PinMode::kRegister: {
+      void* ptr = map_and_touch(size);
+      if (!cuda::host_register(ptr, size)) {
+        // The driver refused to register (e.g. a locked-memory limit): pin the slow, sure way.
+        munmap(ptr, size);
+        slab.mode = PinMode::kHostAlloc;
+        slab.base = reinterpret_cast<std::uintptr_t>(cuda::host_alloc(size));
+      } else {
+        slab.base = reinterpret_cast<std::uintptr_t>(ptr);
+      }
+      break;
+    }
+    default:
+      slab.mode = PinMode::kNone;
+      slab.base = reinterpret_cast<std::uintptr_t>(map_and_touch(size));
+      break;
+  }
+  pin_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::uint64_t id = next_slab_id_++;
+  slabs_.emplace(id, std::move(slab));
+  insert_free(id, 0, size);
+  capacity_bytes_ += size;
+  ++num_slab_allocations_;
+}
+
+void HostArena::release_slab(Slab& slab) {
+  void* ptr = reinterpret_cast<void*>(slab.base);
+  switch (slab.mode) {
+    case PinMode::kHostAlloc: cuda::host_free(ptr); break;
+    case PinMode::kRegister:
+      cuda::host_unregister(ptr);
+      munmap(ptr, slab.size);
+      break;
+    default: munmap(ptr, slab.size); break;
+  }
+}
+
+bool HostArena::take_best_fit(std::size_t size, std::uintptr_t* out) {
+  auto it = by_size_.lower_bound(FreeKey{size, 0, 0});
+  if (it == by_size_.end()) return false;
+  const auto [block_size, slab_id, offset] = *it;
+  erase_free(slab_id, offset, block_size);
+  if (block_size > size) insert_free(slab_id, offset + size, block_size - size);
+  Slab& slab = slabs_.at(slab_id);
+  slab.used += size;
+  used_bytes_ += size;
+  *out = slab.base + offset;
+  regions_.emplace(*out, Region{slab_id, offset, size});
+  return true;
+}
+
+std::uintptr_t HostArena::allocate(std::size_t num_bytes) {
+  const std::size_t size = round_up(std::max<std::size_t>(num_bytes, 1), kAlignment);
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::uintptr_t ptr = 0;
+  if (take_best_fit(size, &ptr)) return ptr;
+  // Grow by one slab: at least min_slab_bytes, rounded to huge pages, never past the cap.
+  std::size_t slab_size = std::max(round_up(size, kHugePage), min_slab_bytes_);
+  if (max_bytes_ != 0) {
+    GO_CHECK(capacity_bytes_ + size <= max_bytes_,
+             "arena cap exceeded: a region of " + human(size) + " does not fit; in use " + human(used_bytes_) +
+                 ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) +
+                 " (largest free block too small)");
+    slab_size = std::min(slab_size, max_bytes_ - capacity_bytes_);
+  }
+  add_slab(slab_size);
+  GO_CHECK(take_best_fit(size, &ptr), "internal error: a fresh slab did not fit its region");
+  return ptr;
+}
+
+void HostArena::free(std::uintptr_t ptr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = regions_.find(ptr);
+  GO_CHECK(it != regions_.end(), "free of a pointer that is not a live arena region");
+  Region region = it->second;
+  regions_.erase(it);
+  Slab& slab = slabs_.at(region.slab_id);
+  slab.used -= region.size;
+  used_bytes_ -= region.size;
+  std::size_t offset = region.offset, size = region.size;
+  // Coalesce with the free neighbours on both sides.
+  auto next = slab.free_blocks.lower_bound(offset);
+  if (next != slab.free_blocks.end() && next->first == offset + size) {
+    const std::size_t next_size = next->second;
+    erase_free(region.slab_id, next->first, next_size);
+    size += next_size;
+  }
+  auto after = slab.free_blocks.lower_bound(offset);
+  if (after != slab.free_blocks.begin()) {
+    auto prev = std::prev(after);
+    if (prev->first + prev->second == offset) {
+      const std::size_t prev_offset = prev->first, prev_size = prev->second;
+      erase_free(region.slab_id, prev_offset, prev_size);
+      offset = prev_offset;
+      size += prev_size;
+    }
+  }
+  insert_free(region.slab_id, offset, size);
+}
+
+void HostArena::reserve(std::size_t num_bytes) {
+  std::uintptr_t ptr = allocate(num_bytes);
+  free(ptr);
+}
+
+std::size_t HostArena::trim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::size_t released = 0;
+  for (auto it = slabs_.begin(); it != slabs_.end();) {
+    Slab& slab = it->second;
+    if (slab.used != 0) {
+      ++it;
+      continue;
+    }
+    by_size_.erase(FreeKey{slab.size, it->first, 0});
+    release_slab(slab);
+    capacity_bytes_ -= slab.size;
+    released += slab.size;
+    it = slabs_.erase(it);
+  }
+  return released;
+}
+
+std::size_t HostArena::region_bytes(std::uintptr_t ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = regions_.find(ptr);
+  GO_CHECK(it != regions_.end(), "not a live arena region");
+  return it->second.size;
+}
+
+ArenaStats HostArena::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ArenaStats s;
+  s.capacity_bytes = capacity_bytes_;
+  s.used_bytes = used_bytes_;
+  s.max_bytes = max_bytes_;
+  s.num_slabs = slabs_.size();
+  s.num_regions = regions_.size();
+  s.num_free_blocks = by_size_.size();
+  s.largest_free_block_bytes = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
+  s.num_slab_allocations = num_slab_allocations_;
+  s.pin_seconds = pin_seconds_;
+  return s;
+}
+
+}  // namespace gpu_offload

@@ -1,0 +1,48 @@
+// CopyPlan: the storages of one target on one device, as device pointers, offsets into a host region and
+// byte counts. Built once per target layout (the Python side caches it), run many times against
+// different host regions. Device -1 means the storages are host memory: the plan then runs as memcpy
+// shards on the thread pool and completes before run() returns.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cuda_backend.hpp"
+
+namespace gpu_offload {
+
+enum class Direction { kToHost, kToDevice };
+
+class CopyPlan {
+ public:
+  CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vector<std::size_t> host_offsets,
+           std::vector<std::size_t> sizes);
+
+  int device() const { return device_; }
+  std::size_t num_copies() const { return sizes_.size(); }
+  std::size_t total_bytes() const { return total_bytes_; }
+  // One past the last host byte a run touches, relative to host_base: the region must be at least this.
+  std::size_t host_extent_bytes() const { return host_extent_bytes_; }
+
+  // Copies every storage to (kToHost) or from (kToDevice) host_base + offset. On a device, the batch is
+  // ordered after `stream`'s pending work and after `waits`; with stream_waits, `stream` waits for it.
+  // Returns the completion event (null on the host path, which is synchronous).
+  cuda::EventPtr run(Direction direction, std::uintptr_t host_base, std::uintptr_t stream,
+                     const std::vector<cuda::EventPtr>& waits, bool stream_waits) const;
+
+ private:
+  void run_host(Direction direction, std::uintptr_t host_base) const;
+
+  int device_;
+  std::vector<std::uintptr_t> device_ptrs_;
+  std::vector<std::size_t> host_offsets_;
+  std::vector<std::size_t> sizes_;
+  std::size_t total_bytes_ = 0;
+  std::size_t host_extent_bytes_ = 0;
+};
+
+// Copies n (dst, src, size) triples on the host, split into byte-balanced shards over the thread pool.
+void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t* sizes, std::size_t n);
+
+}  // namespace gpu_offload

@@ -1,0 +1,53 @@
+// The only door to CUDA. Declared without CUDA headers so the arena and the CPU copy path compile and run
+// in a build without nvcc; cuda_backend.cu implements it, cuda_backend_stub.cpp stands in otherwise.
+// Nothing here touches the driver until a function is called: importing the module costs no CUDA call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace gpu_offload::cuda {
+
+bool compiled();               // this binary was built with CUDA code
+bool available();              // a driver and at least one device answer (cached after the first call)
+int device_count();
+int runtime_version();         // e.g. 13000; 0 without CUDA
+std::string architectures();   // the architectures the kernels were compiled for, e.g. "80-real;90"
+
+// Page-locked host memory, mapped into the device address space and usable from every device.
+void* host_alloc(std::size_t num_bytes);
+void host_free(void* ptr);
+// Pins memory the caller already owns; false (and no exception) when the driver refuses, so callers can
+// fall back to host_alloc.
+bool host_register(void* ptr, std::size_t num_bytes);
+void host_unregister(void* ptr);
+
+// Completion of one submitted batch. Destroying an Event never blocks.
+class Event {
+ public:
+  Event(void* handle, int device) : handle_(handle), device_(device) {}
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  bool query() const;      // true once every copy of the batch has finished
+  void synchronize() const;  // blocks the calling thread (without the GIL) until then
+  void* handle() const { return handle_; }
+  int device() const { return device_; }
+
+ private:
+  void* handle_;
+  int device_;
+};
+using EventPtr = std::shared_ptr<Event>;
+
+// Enqueues n copies on the engine's stream for this device and direction, ordered after the work already
+// on user_stream and after every event in waits. When user_waits is set, user_stream waits (on the GPU)
+// for the batch, so later work on it cannot overwrite what the copy still reads.
+EventPtr copy_batch(int device, bool to_host, void* const* dst, const void* const* src,
+                    const std::size_t* sizes, std::size_t n, std::uintptr_t user_stream,
+                    const std::vector<EventPtr>& waits, bool user_waits);
+
+}  // namespace gpu_offload::cuda

@@ -1,0 +1,27 @@
+// Stand-in for cuda_backend.cu in a build without nvcc: reports no CUDA, refuses device work clearly.
+#include "cuda_backend.hpp"
+#include "errors.hpp"
+
+namespace gpu_offload::cuda {
+
+bool compiled() { return false; }
+bool available() { return false; }
+int device_count() { return 0; }
+int runtime_version() { return 0; }
+std::string architectures() { return ""; }
+
+void* host_alloc(std::size_t) { GO_FAIL("gpu_offload was built without CUDA: cannot pin host memory"); }
+void host_free(void*) {}
+bool host_register(void*, std::size_t) { return false; }
+void host_unregister(void*) {}
+
+Event::~Event() = default;
+bool Event::query() const { return true; }
+void Event::synchronize() const {}
+
+EventPtr copy_batch(int, bool, void* const*, const void* const*, const std::size_t*, std::size_t,
+                    std::uintptr_t, const std::vector<EventPtr>&, bool) {
+  GO_FAIL("gpu_offload was built without CUDA: rebuild with GPU_OFFLOAD_CUDA=1 to copy device memory");
+}
+
+}  // namespace gpu_offload::cuda

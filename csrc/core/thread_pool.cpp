@@ -1,0 +1,92 @@
+#include "thread_pool.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+namespace gpu_offload {
+
+ThreadPool& ThreadPool::instance() {
+  // GPU_OFFLOAD_NUM_THREADS caps the host threads; default: the cores, at most 16 (memcpy saturates
+  // memory bandwidth well before that).
+  static ThreadPool pool([] {
+    std::size_t n = std::max(1u, std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("GPU_OFFLOAD_NUM_THREADS")) n = std::max(1L, std::atol(env));
+    return std::min<std::size_t>(n, 16) - 1;
+  }());
+  return pool;
+}
+
+ThreadPool::ThreadPool(std::size_t num_workers) {
+  for (std::size_t i = 0; i < num_workers; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::worker_loop() {
+  std::size_t seen = 0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+    if (stop_) return;
+    seen = generation_;
+    while (job_ != nullptr && next_ < job_size_) {
+      std::size_t i = next_++;
+      const auto* job = job_;
+      lock.unlock();
+      try {
+        (*job)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      lock.lock();
+      if (--pending_ == 0) finished_.notify_all();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(std::size_t n, const std::function<void(std::size_t)>& fn) {
+  if (n == 0) return;
+  if (n == 1 || workers_.empty()) {
+    for (std::size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::lock_guard<std::mutex> serial(job_mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  job_ = &fn;
+  job_size_ = n;
+  next_ = 0;
+  pending_ = n;
+  error_ = nullptr;
+  ++generation_;
+  wake_.notify_all();
+  // The caller works too.
+  while (next_ < job_size_) {
+    std::size_t i = next_++;
+    lock.unlock();
+    try {
+      fn(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+    lock.lock();
+    --pending_;
+  }
+  finished_.wait(lock, [&] { return pending_ == 0; });
+  job_ = nullptr;
+  std::exception_ptr error = error_;
+  error_ = nullptr;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace gpu_offload

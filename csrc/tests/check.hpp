@@ -1,0 +1,62 @@
+// A minimal test harness for the torch-free core: CHECK records a failure with its line and goes on;
+// main returns non-zero if anything failed, which is what ctest reads.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace check {
+inline int& failures() {
+  static int n = 0;
+  return n;
+}
+inline std::vector<std::pair<std::string, std::function<void()>>>& registry() {
+  static std::vector<std::pair<std::string, std::function<void()>>> r;
+  return r;
+}
+struct Register {
+  Register(const char* name, std::function<void()> fn) { registry().emplace_back(name, std::move(fn)); }
+};
+inline int run_all() {
+  for (auto& [name, fn] : registry()) {
+    const int before = failures();
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      std::printf("  %s: unexpected exception: %s\n", name.c_str(), e.what());
+      ++failures();
+    }
+    std::printf("%s %s\n", failures() == before ? "PASS" : "FAIL", name.c_str());
+  }
+  return failures() == 0 ? 0 : 1;
+}
+}  // namespace check
+
+#define TEST_CASE(name)                                          \
+  static void name();                                            \
+  static check::Register register_##name(#name, name);           \
+  static void name()
+
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      std::printf("  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);     \
+      ++check::failures();                                                       \
+    }                                                                            \
+  } while (0)
+
+#define CHECK_THROWS(stmt)                                                       \
+  do {                                                                           \
+    bool thrown_ = false;                                                        \
+    try {                                                                        \
+      stmt;                                                                      \
+    } catch (const std::exception&) {                                            \
+      thrown_ = true;                                                            \
+    }                                                                            \
+    if (!thrown_) {                                                              \
+      std::printf("  %s:%d: %s did not throw\n", __FILE__, __LINE__, #stmt);     \
+      ++check::failures();                                                       \
+    }                                                                            \
+  } while (0)

@@ -1,0 +1,108 @@
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "core/arena.hpp"
+#include "core/errors.hpp"
+
+using gpu_offload::HostArena;
+using gpu_offload::PinMode;
+
+constexpr std::size_t kMiB = 1u << 20;
+
+TEST_CASE(regions_are_aligned_and_writable) {
+  HostArena arena(0, 4 * kMiB, PinMode::kNone);
+  std::vector<std::uintptr_t> ptrs;
+  for (std::size_t n : {1, 255, 256, 257, 4096, 100000}) {
+    auto p = arena.allocate(n);
+    CHECK(p % HostArena::kAlignment == 0);
+    std::memset(reinterpret_cast<void*>(p), 0xAB, n);
+    ptrs.push_back(p);
+  }
+  CHECK(arena.stats().num_regions == ptrs.size());
+  for (auto p : ptrs) arena.free(p);
+  CHECK(arena.stats().used_bytes == 0);
+}
+
+TEST_CASE(free_coalesces_neighbours) {
+  HostArena arena(0, 4 * kMiB, PinMode::kNone);
+  auto a = arena.allocate(kMiB), b = arena.allocate(kMiB), c = arena.allocate(kMiB);
+  arena.free(a);
+  arena.free(c);
+  CHECK(arena.stats().num_free_blocks == 2);  // [a] and [c + tail]
+  arena.free(b);
+  auto s = arena.stats();
+  CHECK(s.num_free_blocks == 1);
+  CHECK(s.largest_free_block_bytes == s.capacity_bytes);
+  CHECK(s.num_slabs == 1);
+}
+
+TEST_CASE(best_fit_reuses_the_smallest_hole) {
+  HostArena arena(0, 8 * kMiB, PinMode::kNone);
+  auto big = arena.allocate(2 * kMiB), sep1 = arena.allocate(256);
+  auto small = arena.allocate(kMiB), sep2 = arena.allocate(256);
+  arena.free(big);
+  arena.free(small);
+  // A 1 MiB request must land in the 1 MiB hole, not split the 2 MiB one.
+  auto again = arena.allocate(kMiB);
+  CHECK(again == small);
+  (void)sep1;
+  (void)sep2;
+}
+
+TEST_CASE(grows_by_slabs_then_reuses) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  auto a = arena.allocate(2 * kMiB);
+  auto b = arena.allocate(3 * kMiB);  // does not fit the first slab: a second one
+  CHECK(arena.stats().num_slabs == 2);
+  arena.free(a);
+  arena.free(b);
+  auto c = arena.allocate(3 * kMiB);
+  CHECK(arena.stats().num_slab_allocations == 2);  // steady state: no new slab
+  arena.free(c);
+  const std::size_t released = arena.trim();
+  CHECK(released == 6 * kMiB);  // a 2 MiB slab and a 4 MiB one (3 MiB rounded to huge pages)
+  CHECK(arena.trim() == 0);
+  CHECK(arena.stats().capacity_bytes == 0);
+}
+
+TEST_CASE(cap_is_hard_and_leaves_the_arena_unchanged) {
+  HostArena arena(4 * kMiB, kMiB, PinMode::kNone);
+  auto a = arena.allocate(3 * kMiB);
+  auto before = arena.stats();
+  bool thrown = false;
+  try {
+    arena.allocate(2 * kMiB);
+  } catch (const gpu_offload::Error& e) {
+    thrown = std::string(e.what()).find("max_bytes") != std::string::npos;
+  }
+  CHECK(thrown);
+  auto after = arena.stats();
+  CHECK(after.capacity_bytes == before.capacity_bytes && after.used_bytes == before.used_bytes);
+  CHECK(after.capacity_bytes <= 4 * kMiB);
+  arena.allocate(kMiB);  // what is left under the cap still works
+  arena.free(a);
+}
+
+TEST_CASE(refuses_more_than_available_memory) {
+  HostArena arena(0, kMiB, PinMode::kNone);
+  const std::size_t available = gpu_offload::available_host_memory();
+  CHECK(available > 0);
+  CHECK_THROWS(arena.allocate(available + (std::size_t(64) << 30)));
+  CHECK(arena.stats().capacity_bytes == 0);
+}
+
+TEST_CASE(errors_carry_file_line_and_expression) {
+  HostArena arena(0, kMiB, PinMode::kNone);
+  std::string what;
+  try {
+    arena.free(12345);
+  } catch (const gpu_offload::Error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("arena.cpp:") != std::string::npos);
+  CHECK(what.find("check `") != std::string::npos);
+}
+
+int main() { return check::run_all(); }

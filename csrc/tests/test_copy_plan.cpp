@@ -1,0 +1,65 @@
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "check.hpp"
+#include "core/arena.hpp"
+#include "core/copy_plan.hpp"
+
+using namespace gpu_offload;
+
+TEST_CASE(host_round_trip_many_sizes) {
+  // Storages of odd sizes (including 0 and a large one that the thread pool splits).
+  std::vector<std::size_t> sizes = {0, 1, 3, 255, 4096, 12345, 9u << 20, 7};
+  std::vector<std::vector<unsigned char>> storages;
+  std::vector<std::uintptr_t> ptrs;
+  std::vector<std::size_t> offsets;
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    storages.emplace_back(sizes[i]);
+    for (std::size_t j = 0; j < sizes[i]; ++j) storages[i][j] = static_cast<unsigned char>(i * 31 + j * 7);
+    ptrs.push_back(reinterpret_cast<std::uintptr_t>(storages[i].data()));
+    offsets.push_back(off);
+    off += (sizes[i] + 255) / 256 * 256;
+  }
+  CopyPlan plan(-1, ptrs, offsets, sizes);
+  CHECK(plan.total_bytes() == std::accumulate(sizes.begin(), sizes.end(), std::size_t(0)));
+  HostArena arena(0, 1u << 20, PinMode::kNone);
+  auto region = arena.allocate(plan.host_extent_bytes());
+  CHECK(plan.run(Direction::kToHost, region, 0, {}, true) == nullptr);
+  auto expected = storages;
+  for (auto& s : storages) std::memset(s.data(), 0, s.size());
+  plan.run(Direction::kToDevice, region, 0, {}, true);
+  CHECK(storages == expected);
+  arena.free(region);
+}
+
+TEST_CASE(parallel_memcpy_splits_exactly) {
+  std::vector<unsigned char> a(33u << 20), b(33u << 20, 0);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<unsigned char>(i * 2654435761u >> 24);
+  void* dst[2] = {b.data(), b.data() + (1u << 20)};
+  const void* src[2] = {a.data(), a.data() + (1u << 20)};
+  std::size_t sizes[2] = {1u << 20, 32u << 20};
+  parallel_memcpy(dst, src, sizes, 2);
+  CHECK(a == b);
+}
+
+TEST_CASE(rejects_inconsistent_arrays) {
+  CHECK_THROWS(CopyPlan(-1, {1, 2}, {0}, {1, 1}));
+  CHECK_THROWS(CopyPlan(-2, {}, {}, {}));
+  CHECK_THROWS(CopyPlan(-1, {0}, {0}, {16}));
+}
+
+#ifndef GPU_OFFLOAD_TEST_NO_CUDA
+TEST_CASE(device_plan_without_cuda_is_a_clear_error) {
+  if (cuda::available()) return;  // covered by the Python CUDA tests on a GPU machine
+  unsigned char byte = 0;
+  CopyPlan plan(0, {reinterpret_cast<std::uintptr_t>(&byte)}, {0}, {1});
+  HostArena arena(0, 1u << 20, PinMode::kNone);
+  auto region = arena.allocate(1);
+  CHECK_THROWS(plan.run(Direction::kToHost, region, 0, {}, true));
+  arena.free(region);
+}
+#endif
+
+int main() { return check::run_all(); }

@@ -1,0 +1,55 @@
+"""gpu_offload: GPU<->CPU snapshots of PyTorch training state through a pinned host arena.
+
+    import gpu_offload as go
+    snap = go.snapshot(model)        # point-in-time copy into pinned host memory; returns at once
+    go.restore(model, snap)          # copy back in place
+    go.offload([model, optimizer])   # move out and free the device memory
+    go.reload([model, optimizer])    # same objects, same values
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import LayoutMismatchError, OffloadError
+from ._ext import _C
+from ._version import __version__
+from .api import is_offloaded, offload, offloaded_bytes, reload, restore, snapshot
+from .arena import Arena, default_arena
+from .snapshot import Snapshot
+
+__all__ = [
+    "Arena",
+    "LayoutMismatchError",
+    "OffloadError",
+    "Snapshot",
+    "__version__",
+    "build_info",
+    "cuda_available",
+    "default_arena",
+    "is_offloaded",
+    "offload",
+    "offloaded_bytes",
+    "reload",
+    "restore",
+    "snapshot",
+]
+
+
+def cuda_available() -> bool:
+    """True when this build has CUDA code and a CUDA driver and device answer."""
+    return bool(_C.cuda_compiled() and _C.cuda_available())
+
+
+def build_info() -> dict[str, Any]:
+    """How the extension was built: version, CUDA compiled in, CUDA runtime version, architectures."""
+    compiled = bool(_C.cuda_compiled())
+    archs = _C.cuda_architectures()
+    return {
+        "version": __version__,
+        "core_version": _C.version(),
+        "cuda": compiled,
+        "cuda_runtime_version": int(_C.cuda_runtime_version()) if compiled else None,
+        "cuda_architectures": [a for a in archs.split(",") if a] if compiled else [],
+        "arena_alignment": int(_C.ARENA_ALIGNMENT),
+    }

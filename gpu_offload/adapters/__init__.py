@@ -1,0 +1,123 @@
+"""Adapters: which (name, tensor) pairs make up a target's device state.
+
+A target is an nn.Module, a torch.optim.Optimizer, a Mapping of tensors (nested mappings and lists
+allowed, e.g. a state dict), or a list/tuple of these. A list is its parts: element i's names get the
+prefix "i.". Strategy wrappers are detected from the objects themselves:
+
+* FSDP1 (FullyShardedDataParallel): each rank's flat-parameter shards (adapters.fsdp);
+* FSDP2 (fully_shard): the local shards of the DTensor parameters (adapters.fsdp);
+* Megatron-core DDP: the flat param (and grad) buffers (adapters.megatron), and Megatron optimizers.
+
+Everything after this layer works on storages, so views, tied weights and flat buffers need no
+special case here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .._errors import OffloadError
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def named_tensors(target: Any, *, include_grads: bool = False) -> NamedTensors:
+    """Flattens `target` into (name, tensor) pairs in a deterministic order.
+
+    Raises OffloadError for an object that is none of the supported kinds.
+    """
+    out: NamedTensors = []
+    _collect(target, "", include_grads, out, top=True)
+    return out
+
+
+def parts(target: Any) -> list[Any]:
+    """The objects a target is made of (a list's elements, recursively; otherwise the target itself)."""
+    if isinstance(target, (list, tuple)):
+        return [p for item in target for p in parts(item)]
+    return [target]
+
+
+def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top: bool = False) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix.rstrip(".") or "tensor", obj))
+    elif isinstance(obj, torch.nn.Module):
+        out.extend((prefix + name, t) for name, t in module_tensors(obj, include_grads=include_grads))
+    elif _is_optimizer(obj):
+        out.extend((prefix + name, t) for name, t in optimizer_tensors(obj))
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{prefix}{key}.", include_grads, out)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _collect(value, f"{prefix}{i}.", include_grads, out)
+    elif top or not _is_plain_value(obj):
+        raise OffloadError(
+            f"unsupported target {type(obj).__module__}.{type(obj).__qualname__}"
+            f"{' at ' + prefix.rstrip('.') if prefix else ''}: expected an nn.Module, a torch.optim.Optimizer, "
+            "a Mapping of tensors, or a list/tuple of these"
+        )
+
+
+def _is_plain_value(obj: Any) -> bool:
+    # Leaves of a state dict that carry no device data (hyper-parameters, step counts kept as numbers).
+    return obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device))
+
+
+def _is_optimizer(obj: Any) -> bool:
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    from . import megatron
+
+    return megatron.is_megatron_optimizer(obj)
+
+
+def module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:
+    """A module's parameters (and grads if asked) and buffers, through the strategy that wraps it."""
+    from . import fsdp, megatron
+
+    if megatron.is_megatron_ddp(module):
+        return megatron.megatron_ddp_named_tensors(module, include_grads=include_grads)
+    if fsdp.is_fsdp1(module):
+        return fsdp.fsdp1_named_tensors(module, include_grads=include_grads)
+    if fsdp.is_fsdp2(module):
+        return fsdp.fsdp2_named_tensors(module, include_grads=include_grads)
+    return plain_module_tensors(module, include_grads=include_grads)
+
+
+def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:
+    """Parameters and buffers under every name they have (tied weights appear under each name, so a
+    twin model is checked to be tied the same way), then grads as "<name>.grad"."""
+    params = list(module.named_parameters(remove_duplicate=False))
+    out: NamedTensors = list(params)
+    out.extend(module.named_buffers(remove_duplicate=False))
+    if include_grads:
+        out.extend((f"{name}.grad", p.grad) for name, p in params if p.grad is not None)
+    return out
+
+
+def optimizer_tensors(optimizer: Any) -> NamedTensors:
+    """The optimizer's state tensors, named "state.<param index>.<key>" with parameters numbered in
+    param_groups order, as torch's own state_dict() numbers them."""
+    from . import megatron
+
+    if megatron.is_megatron_optimizer(optimizer):
+        return megatron.megatron_optimizer_named_tensors(optimizer)
+    return torch_optimizer_tensors(optimizer)
+
+
+def torch_optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "") -> NamedTensors:
+    out: NamedTensors = []
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                for key in sorted(state):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor):
+                        out.append((f"{prefix}state.{index}.{key}", value))
+            index += 1
+    return out

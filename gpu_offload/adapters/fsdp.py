@@ -1,0 +1,328 @@
+"""Device state of FSDP-wrapped modules: which (name, tensor) pairs a rank owns.
+
+FSDP1 (``FullyShardedDataParallel``) keeps, per FSDP unit, one ``FlatParameter`` whose data outside a
+forward/backward *is* the rank's padded local shard (``flat_param._local_shard`` shares its storage once
+FSDP has lazily initialised; before that the flat parameter itself is the shard). With
+``use_orig_params=True`` the original parameters are views into that same storage, so the flat parameter
+alone covers them. The all-gather buffer ``_full_param_padded`` and the mixed-precision ``_mp_shard`` are
+scratch that FSDP frees itself and are never reported.
+
+FSDP2 (``fully_shard``) keeps, per parameter, a padded 1-D ``FSDPParam._sharded_param_data``; the
+parameter's DTensor ``_local_tensor`` is a narrow view of it, so its storage is the one to move.
+
+Both versions leave the *root* unit unsharded after a forward (the root is not resharded until backward),
+most visibly after a ``no_grad`` forward. The next forward then reuses the unsharded copy without an
+all-gather, so a restore that only wrote the shard would be silently ignored and an offload would leave the
+unsharded copy on the device. The functions here therefore reshard such idle units first; resharding only
+frees memory locally and runs no collective.
+
+Only local shards are touched: no ``summon_full_params``, no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .._errors import OffloadError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "is_fsdp1",
+    "fsdp1_named_tensors",
+    "is_fsdp2",
+    "fsdp2_named_tensors",
+    "fsdp_shard_info",
+]
+
+# FSDP1 inserts this attribute name between a wrapper and its wrapped module; stripping it gives the
+# user's module paths, which are identical on every rank and on a freshly wrapped twin.
+_FSDP1_PREFIX = "_fsdp_wrapped_module."
+
+
+def _fsdp1_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - builds without FSDP
+        return None
+    return FullyShardedDataParallel
+
+
+def _fsdp2_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # torch < 2.6 only exposes it under the private package
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _contains(module: nn.Module, cls: type | None) -> bool:
+    return cls is not None and isinstance(module, nn.Module) and any(isinstance(m, cls) for m in module.modules())
+
+
+def is_fsdp1(module: nn.Module) -> bool:
+    """True when ``module`` is, or contains, a ``FullyShardedDataParallel`` instance."""
+    return _contains(module, _fsdp1_class())
+
+
+def is_fsdp2(module: nn.Module) -> bool:
+    """True when ``module`` is, or contains, a module passed to ``fully_shard`` (an ``FSDPModule``)."""
+    return _contains(module, _fsdp2_class())
+
+
+def _clean(name: str) -> str:
+    return name.replace(_FSDP1_PREFIX, "").replace("._fsdp_wrapped_module", "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor's bytes live in its local tensor; the core groups by that storage.
+    return getattr(t, "_local_tensor", t)
+
+
+def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
+    """Raise when ``module`` mixes ``strategy`` with a wrapper whose state this adapter would miss."""
+    found = []
+    if strategy != "fsdp1" and is_fsdp1(module):
+        found.append("FullyShardedDataParallel (FSDP1)")
+    if strategy != "fsdp2" and is_fsdp2(module):
+        found.append("fully_shard (FSDP2)")
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in module.modules()):
+        found.append("torch DistributedDataParallel")
+    if any(type(m).__module__.startswith("megatron.core.distributed") for m in module.modules()):
+        found.append("megatron-core DistributedDataParallel")
+    if found:
+        raise OffloadError(
+            f"module mixes {strategy.upper()} with {', '.join(found)}; one snapshot target must use a single "
+            "data-parallel strategy (pass the parts separately)"
+        )
+
+
+def _plain_tensors(
+    module: nn.Module, managed: set[int], include_grads: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """Parameters no FSDP unit manages (ignored or outside every unit) plus all buffers: replicated state."""
+    out: list[tuple[str, torch.Tensor]] = []
+    grads: list[tuple[str, torch.Tensor]] = []
+    # Every name of a tied tensor is listed, as the core does for plain modules, so that a twin is checked
+    # to be tied the same way.
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in managed:
+            continue
+        out.append((_clean(name), _local(p)))
+        if include_grads and p.grad is not None:
+            grads.append((f"{_clean(name)}.grad", _local(p.grad)))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out.append((_clean(name), _local(b)))
+    return out + grads
+
+
+# ----------------------------------------------------------------------------------------------- FSDP1
+
+
+def _fsdp1_units(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
+    """Yield (clean path, FSDP state, FlatParamHandle) of every FSDP1 unit that manages parameters."""
+    cls = _fsdp1_class()
+    for name, m in module.named_modules():
+        if cls is None or not isinstance(m, cls):
+            continue
+        # torch >= 2.1 keeps one handle per unit; older releases a list.
+        handle = getattr(m, "_handle", None)
+        if handle is None:
+            handles = getattr(m, "_handles", None) or []
+            if len(handles) > 1:
+                raise OffloadError(f"FSDP unit {name!r} has {len(handles)} flat parameters; unsupported")
+            handle = handles[0] if handles else None
+        if handle is not None:
+            yield _clean(name).rstrip("."), m, handle
+
+
+def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
+    """Make the handle's flat parameter point at its local shard, resharding an idle unsharded root."""
+    fp = handle.flat_param
+    if not handle.uses_sharded_strategy or not hasattr(fp, "_local_shard"):
+        # NO_SHARD has no separate full buffer; before lazy init the flat parameter *is* the shard.
+        return
+    local = fp._local_shard
+    if fp.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and fp.numel() == local.numel():
+        return
+    idle_state = getattr(state, "training_state", None)
+    idle_handle = getattr(handle, "_training_state", None)
+    if getattr(idle_state, "name", "IDLE") != "IDLE" or getattr(idle_handle, "name", "IDLE") != "IDLE":
+        raise OffloadError(
+            f"FSDP unit {path or '<root>'!r} is unsharded inside forward/backward or summon_full_params "
+            f"({idle_state}); snapshot, restore or offload it between training steps"
+        )
+    logger.debug("resharding idle unsharded FSDP1 unit %r before taking its shard", path or "<root>")
+    try:
+        from torch.distributed.fsdp._runtime_utils import _reshard
+
+        _reshard(state, handle, True)
+    except ImportError:  # pragma: no cover - same steps as torch's private helper
+        handle.reshard(True)
+        handle.post_reshard()
+        handle._prefetched = False
+
+
+def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
+    """This rank's FSDP1 device state: every unit's local flat-parameter shard, then plain params and buffers.
+
+    Names follow the core's plain-module convention with FSDP's wrapper prefix removed:
+    ``<unit path>._flat_param`` (``_flat_param`` for the root unit), the ordinary names of parameters
+    outside every unit and of buffers, and ``<name>.grad`` for gradients with ``include_grads``.
+    """
+    if not is_fsdp1(module):
+        raise OffloadError(f"{type(module).__name__} contains no FullyShardedDataParallel unit")
+    _reject_other_wrappers(module, "fsdp1")
+    out: list[tuple[str, torch.Tensor]] = []
+    grads: list[tuple[str, torch.Tensor]] = []
+    managed: set[int] = set()
+    for path, state, handle in _fsdp1_units(module):
+        _fsdp1_ensure_sharded(path, state, handle)
+        fp = handle.flat_param
+        name = f"{path}._flat_param" if path else "_flat_param"
+        out.append((name, fp))
+        managed.add(id(fp))
+        # With use_orig_params the originals are views into the shard (or empty on this rank).
+        for attr in ("_params", "_shared_params"):
+            for p in getattr(fp, attr, None) or ():
+                managed.add(id(p))
+        if include_grads and fp.grad is not None:
+            grads.append((f"{name}.grad", fp.grad))
+    plain = _plain_tensors(module, managed, include_grads)
+    return out + grads + plain
+
+
+# ----------------------------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp2_groups(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
+    """Yield (module path, FSDPModule, FSDPParamGroup) for every ``fully_shard`` module in ``module``."""
+    cls = _fsdp2_class()
+    seen: set[int] = set()
+    for name, m in module.named_modules():
+        if cls is None or not isinstance(m, cls):
+            continue
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.9 keeps at most one group per state
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for g in groups:
+            # fully_shard([a, b]) shares one state (and its groups) between several modules.
+            if id(g) not in seen:
+                seen.add(id(g))
+                yield name, m, g
+
+
+def _fsdp2_ensure_sharded(path: str, module: nn.Module, group: Any) -> None:
+    if group.is_sharded:
+        return
+    if getattr(group._training_state, "name", "IDLE") != "IDLE":
+        raise OffloadError(
+            f"fully_shard module {path or '<root>'!r} is in {group._training_state}; snapshot, restore or "
+            "offload it between training steps"
+        )
+    logger.debug("resharding idle unsharded FSDP2 module %r before taking its shards", path or "<root>")
+    group.reshard()  # what FSDPModule.reshard() does for each group: a local free, no collective
+
+
+def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
+    """This rank's FSDP2 device state: each parameter's padded local shard, then plain params and buffers.
+
+    Names are the ordinary parameter and buffer names (every name of a tied one); with ``include_grads``
+    ``<name>.grad`` for the sharded gradient (FSDP2 puts a group's gradients in one storage) and
+    ``<name>.grad_unsharded`` for gradients accumulated unsharded while gradient sync is off.
+    """
+    if not is_fsdp2(module):
+        raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
+    _reject_other_wrappers(module, "fsdp2")
+    by_param: dict[int, Any] = {}
+    for path, m, group in _fsdp2_groups(module):
+        _fsdp2_ensure_sharded(path, m, group)
+        for fsdp_param in group.fsdp_params:
+            by_param[id(fsdp_param.sharded_param)] = fsdp_param
+    out: list[tuple[str, torch.Tensor]] = []
+    grads: list[tuple[str, torch.Tensor]] = []
+    managed: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        fsdp_param = by_param.get(id(p))
+        if fsdp_param is None:
+            continue
+        managed.add(id(p))
+        # The padded 1-D tensor spans the whole storage; the DTensor's local tensor is a narrow view of it.
+        out.append((name, fsdp_param._sharded_param_data))
+        if include_grads:
+            if p.grad is not None:
+                grads.append((f"{name}.grad", _local(p.grad)))
+            acc = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if acc is not None:
+                grads.append((f"{name}.grad_unsharded", acc))
+    missing = len(by_param) - len(managed)
+    if missing:
+        raise OffloadError(f"{missing} fully_shard parameter(s) are not registered on the module; cannot name them")
+    return out + grads + _plain_tensors(module, managed, include_grads)
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _group_coords(pg: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if pg is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(pg), dist.get_rank(pg)
+
+
+def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
+    """World size, rank and per-unit (FSDP1) or per-parameter (FSDP2) local shard layout of ``module``.
+
+    Two snapshots restore into each other only when these dicts are equal; no collective is run.
+    """
+    info: dict[str, Any]
+    if is_fsdp1(module) and not is_fsdp2(module):
+        units: dict[str, Any] = {}
+        world, rank = 1, 0
+        for path, state, handle in _fsdp1_units(module):
+            world, rank = _group_coords(getattr(state, "process_group", None))
+            fp = handle.flat_param
+            units[path] = {
+                "strategy": getattr(handle._sharding_strategy, "name", str(handle._sharding_strategy)),
+                "sharded_numel": int(fp._sharded_size.numel()) if hasattr(fp, "_sharded_size") else fp.numel(),
+                "unsharded_numel": int(fp._unpadded_unsharded_size.numel()),
+                "padding": int(getattr(fp, "_shard_numel_padded", 0)),
+                "dtype": str(fp.dtype),
+            }
+        info = {"kind": "fsdp1", "world_size": world, "rank": rank, "flat_params": units}
+    elif is_fsdp2(module) and not is_fsdp1(module):
+        params: dict[str, Any] = {}
+        world, rank = 1, 0
+        by_param = {id(fp.sharded_param): fp for _, _, g in _fsdp2_groups(module) for fp in g.fsdp_params}
+        for name, p in module.named_parameters():
+            fp = by_param.get(id(p))
+            if fp is None:
+                continue
+            mesh = fp.mesh_info.mesh
+            world, rank = mesh.size(), mesh.get_rank()
+            params[name] = {
+                "global_shape": list(fp._orig_size),
+                "padded_local_shape": list(fp.padded_sharded_param_size),
+                "placements": [str(pl) for pl in fp._sharding_spec.placements],
+                "dtype": str(fp._sharded_param_data.dtype),
+            }
+        info = {"kind": "fsdp2", "world_size": world, "rank": rank, "params": params}
+    else:
+        raise OffloadError(f"{type(module).__name__} is not (only) FSDP1 or FSDP2")
+    return info

@@ -1,0 +1,229 @@
+"""The public operations: snapshot, restore, offload, reload, is_offloaded.
+
+Flow: target -> adapters (named tensors) -> storages (layout bound to live storages) -> cached copy plan
+-> _C (arena region, batched copies). Everything is checked before the first byte moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import plan as _plan
+from ._errors import OffloadError
+from .adapters import named_tensors
+from .arena import Arena, Region, default_arena
+from .snapshot import Snapshot
+from .storages import Bound, bind, match
+
+logger = logging.getLogger("gpu_offload")
+
+
+@dataclass
+class _Offloaded:
+    """Where an offloaded storage's bytes are. Holding the storage keeps its identity (the key) unique."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    device: torch.device
+    region: Region
+    host_offset: int
+    events: list[Any]  # the D2H copy that filled the region
+
+
+# Offloaded storages by identity. Keyed by storage rather than by target, so that a list is its parts:
+# offload([model, opt]) then is_offloaded(model) or reload([model, opt]) with a new list just work.
+_offloaded: dict[int, _Offloaded] = {}
+_registry_lock = threading.RLock()
+
+
+def _log_rate(op: str, nbytes: int, start: float, bound: Bound, synchronous: bool) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        seconds = time.perf_counter() - start
+        rate = f", {nbytes / seconds / 1e9:.2f} GB/s" if synchronous and seconds > 0 else " (enqueued)"
+        logger.debug("%s: %d tensors, %d storages, %d bytes in %.3f ms%s", op, len(bound.layout.tensors),
+                     len(bound.storages), nbytes, seconds * 1e3, rate)
+
+
+def _bind_live(target: Any, include_grads: bool, op: str) -> Bound:
+    bound = bind(named_tensors(target, include_grads=include_grads))
+    with _registry_lock:
+        for key, spec in zip(bound.keys, bound.layout.storages):
+            if key in _offloaded:
+                raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
+    return bound
+
+
+def _entries(bound: Bound, host_offsets: Optional[list[int]] = None) -> list[tuple[torch.device, int, int, int]]:
+    specs = bound.layout.storages
+    offsets = host_offsets if host_offsets is not None else [s.host_offset for s in specs]
+    return [(s.device, st.data_ptr(), off, s.nbytes) for s, st, off in zip(specs, bound.storages, offsets)]
+
+
+def _empty_cache(devices: list[torch.device]) -> None:
+    if any(d.type == "cuda" for d in devices) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena] = None) -> Snapshot:
+    """Copies the target's device state into pinned host memory, without changing the target.
+
+    The copy is ordered after the work already enqueued on each device's current stream, and later work
+    on that stream waits (on the GPU, not the CPU) until the copy has read the data: the snapshot is the
+    state as of this call. Returns at once on a GPU; call `.wait()` for the host copy to be complete.
+    CPU tensors are copied before this returns.
+
+    Args:
+        target: an nn.Module, an Optimizer, a Mapping of tensors, or a list/tuple of these.
+        include_grads: also copy parameters' `.grad` tensors (named "<param>.grad").
+        arena: the arena to copy into (default: the shared default arena).
+
+    Raises:
+        OffloadError: unsupported target or tensor, an offloaded target, or arena/host memory exhausted.
+    """
+    start = time.perf_counter()
+    arena = arena if arena is not None else default_arena()
+    bound = _bind_live(target, include_grads, "snapshot")
+    plans = _plan.build(_entries(bound))
+    region = arena._allocate(bound.layout.host_bytes)
+    try:
+        events = plans.run(True, region.ptr)
+    except BaseException:
+        region.release()
+        raise
+    _log_rate("snapshot", bound.layout.nbytes, start, bound, not events)
+    return Snapshot(bound.layout, region, events)
+
+
+def restore(target: Any, snap: Snapshot) -> None:
+    """Copies a snapshot back into the target's storages, in place.
+
+    The target may be the object the snapshot was taken from or any target of the same layout (matched by
+    names, e.g. a freshly built twin). Later work on the current stream sees the restored values.
+
+    Raises:
+        LayoutMismatchError: names, shapes, dtypes, devices or storage sizes differ (nothing is copied).
+        OffloadError: the snapshot was freed, or the target is offloaded.
+    """
+    if not isinstance(snap, Snapshot):
+        raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
+    start = time.perf_counter()
+    region = snap._live()
+    bound = _bind_live(target, _has_grads(snap), "restore")
+    mapping = match(snap.layout, bound.layout)
+    offsets = [snap.layout.storages[i].host_offset for i in mapping]
+    plans = _plan.build(_entries(bound, offsets))
+    # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
+    events = plans.run(False, region.ptr, waits=snap._pending())
+    snap._add_events(events)
+    _log_rate("restore", bound.layout.nbytes, start, bound, not events)
+
+
+def _has_grads(snap: Snapshot) -> bool:
+    return any(t.name.endswith(".grad") for t in snap.layout.tensors)
+
+
+def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = False, arena: Optional[Arena] = None) -> None:
+    """Moves the target's device state into pinned host memory and frees the device memory.
+
+    Each storage is copied, then released (`untyped_storage().resize_(0)`); tensors keep their identity,
+    shape and views, and hold no memory until `reload`. On CUDA, `torch.cuda.empty_cache()` then returns
+    the memory to the driver unless `empty_cache=False`. Gradients stay where they are unless
+    `include_grads=True` (set them to None first to drop them, as most trainers do before offloading).
+
+    Raises:
+        OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
+            that cannot be resized, or arena/host memory exhausted. Nothing has changed then.
+    """
+    start = time.perf_counter()
+    arena = arena if arena is not None else default_arena()
+    with _registry_lock:
+        bound = _bind_live(target, include_grads, "offload")
+        for spec, storage in zip(bound.layout.storages, bound.storages):
+            if spec.nbytes and not storage.resizable():
+                raise OffloadError(f"cannot offload {spec.name}: its storage is not resizable "
+                                   "(memory borrowed from numpy, DLPack or a file?)")
+        live = [(k, spec, st) for k, spec, st in zip(bound.keys, bound.layout.storages, bound.storages) if spec.nbytes]
+        if not live:
+            raise OffloadError("nothing to offload: the target holds no device memory")
+        plans = _plan.build(_entries(bound))
+        region = arena._allocate(bound.layout.host_bytes, users=len(live))
+        try:
+            events = plans.run(True, region.ptr)
+        except BaseException:
+            region.arena._free(region.ptr, ())
+            raise
+        for key, spec, storage in live:
+            _offloaded[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
+        # The copies are enqueued before the memory is released, and the current stream waits for them, so
+        # the caching allocator cannot hand the blocks out to later work before they have been read.
+        for _, _, storage in live:
+            storage.resize_(0)
+    if empty_cache:
+        _empty_cache(bound.layout.devices)
+    _log_rate("offload", bound.layout.nbytes, start, bound, not events)
+
+
+def reload(target: Any) -> None:
+    """Brings an offloaded target back: the same storages are re-allocated and refilled in place, so every
+    parameter, view and optimizer reference stays valid.
+
+    Raises:
+        OffloadError: nothing in the target is offloaded, or the device is out of memory (then the target
+            stays offloaded with its data intact, and a retry after freeing memory succeeds).
+    """
+    start = time.perf_counter()
+    named = named_tensors(target, include_grads=True)
+    with _registry_lock:
+        bound = bind(named, {k: r.nbytes for k, r in _offloaded.items()})
+        records = [(k, st, _offloaded[k]) for k, st in zip(bound.keys, bound.storages) if k in _offloaded]
+        if not records:
+            raise OffloadError("cannot reload: nothing in the target is offloaded")
+        resized: list[torch.UntypedStorage] = []
+        try:
+            for _, storage, record in records:
+                storage.resize_(record.nbytes)
+                resized.append(storage)
+        except BaseException as exc:
+            for storage in resized:
+                storage.resize_(0)
+            needed = sum(r.nbytes for _, _, r in records)
+            if isinstance(exc, (RuntimeError, MemoryError)):
+                raise OffloadError(f"reload failed while allocating {needed} bytes on "
+                                   f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
+                                   "offloaded with its data intact, free memory and call reload() again") from exc
+            raise
+        by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
+        for item in records:
+            by_region.setdefault(id(item[2].region), []).append(item)
+        for items in by_region.values():
+            region = items[0][2].region
+            entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
+            events = _plan.build(entries).run(False, region.ptr, waits=items[0][2].events)
+            for key, _, _ in items:
+                del _offloaded[key]
+            for _ in items:
+                region.release(events)
+    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, bound, True)
+
+
+def is_offloaded(target: Any) -> bool:
+    """True when the target's storages are offloaded (all those that held memory)."""
+    bound = bind(named_tensors(target, include_grads=False))
+    with _registry_lock:
+        offloaded = [k in _offloaded for k in bound.keys]
+    if not any(offloaded):
+        return False
+    # Partly offloaded (e.g. offload(model) then is_offloaded([model, opt])): only if the rest is empty.
+    return all(o or spec.nbytes == 0 for o, spec in zip(offloaded, bound.layout.storages))
+
+
+def offloaded_bytes() -> int:
+    """Bytes currently offloaded by this process, over all targets."""
+    with _registry_lock:
+        return sum(r.nbytes for r in _offloaded.values())

@@ -1,0 +1,195 @@
+"""Arena: pinned host memory, pinned once and reused by every snapshot and offload that uses it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any, Optional, Sequence
+
+from ._errors import OffloadError
+from ._ext import _C
+
+logger = logging.getLogger("gpu_offload")
+
+_MIB = 1 << 20
+_DEFAULT_MIN_SLAB_BYTES = 256 * _MIB
+_PIN_MODES = ("auto", "none", "hostalloc", "register")
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(float(value))
+    except ValueError:
+        raise OffloadError(f"{name}={value!r} is not a number of bytes") from None
+
+
+class Region:
+    """A block of arena memory shared by the storages of one snapshot or one offload.
+
+    Released when its last user lets go; copies still reading or writing it (their events) are waited
+    for lazily, so releasing never blocks the caller.
+    """
+
+    __slots__ = ("arena", "ptr", "nbytes", "_users")
+
+    def __init__(self, arena: "Arena", ptr: int, nbytes: int, users: int = 1) -> None:
+        self.arena = arena
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._users = users
+
+    def release(self, pending: Sequence[Any] = ()) -> None:
+        """Drops one user; the last one returns the memory once `pending` events have completed."""
+        with self.arena._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+        self.arena._free(self.ptr, pending)
+
+    def buffer(self, owner: object) -> Any:
+        """A writable buffer over the region that keeps `owner` alive while anything (e.g. a tensor made
+        with torch.frombuffer) still refers to it."""
+        buf = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        buf._owner = owner  # type: ignore[attr-defined]
+        return buf
+
+
+class Arena:
+    """Pinned host memory for snapshots and offloads.
+
+    Memory is page-locked (when a CUDA device answers) in large slabs, on first need, and reused: after
+    the first cycle a training loop pins nothing more. Regions are best-fit with coalescing.
+
+    Args:
+        max_bytes: hard cap on the pinned bytes; a request past it raises OffloadError. None: no cap
+            (pinning beyond the machine's available memory is still refused).
+        min_slab_bytes: smallest slab pinned at a time (default 256 MiB); a larger request gets a slab of
+            its own size, rounded to 2 MiB.
+        pin: "auto" (page-locked when CUDA is available), "none", "hostalloc" (cudaHostAlloc) or
+            "register" (parallel first touch, then cudaHostRegister; the fastest way to pin).
+    """
+
+    def __init__(self, max_bytes: Optional[int] = None, *, min_slab_bytes: Optional[int] = None, pin: str = "auto") -> None:
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise OffloadError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        if min_slab_bytes is None:
+            min_slab_bytes = _DEFAULT_MIN_SLAB_BYTES
+        if not isinstance(min_slab_bytes, int) or min_slab_bytes <= 0:
+            raise OffloadError(f"min_slab_bytes must be a positive int, got {min_slab_bytes!r}")
+        if pin not in _PIN_MODES:
+            raise OffloadError(f"pin must be one of {', '.join(_PIN_MODES)}, got {pin!r}")
+        if max_bytes is not None:
+            min_slab_bytes = min(min_slab_bytes, max_bytes)
+        self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
+        self._lock = threading.RLock()
+        self._deferred: list[tuple[int, list[Any]]] = []  # regions waiting for their copies to finish
+
+    # -- public ---------------------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of host memory the arena holds (pinned where pinning is on)."""
+        return int(self._impl.stats()["capacity_bytes"])
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out to live snapshots and offloaded storages (alignment included)."""
+        self._reap(block=False)
+        return int(self._impl.stats()["used_bytes"])
+
+    @property
+    def max_bytes(self) -> Optional[int]:
+        cap = int(self._impl.stats()["max_bytes"])
+        return cap or None
+
+    @property
+    def pin_mode(self) -> str:
+        """How slabs are pinned: auto (not decided yet), none, hostalloc or register."""
+        return str(self._impl.pin_mode)
+
+    def reserve(self, num_bytes: int) -> None:
+        """Pins ahead so that a region of `num_bytes` can later be handed out without pinning."""
+        if not isinstance(num_bytes, int) or num_bytes < 0:
+            raise OffloadError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
+        if num_bytes:
+            self._reap(block=False)
+            self._impl.reserve(num_bytes)
+
+    def trim(self) -> int:
+        """Returns slabs with nothing in them to the system; returns the bytes released."""
+        self._reap(block=True)
+        return int(self._impl.trim())
+
+    def stats(self) -> dict[str, Any]:
+        """Capacity, use, slab count, free blocks, slabs ever pinned and seconds spent pinning."""
+        self._reap(block=False)
+        stats = dict(self._impl.stats())
+        stats["pin_mode"] = self.pin_mode
+        return stats
+
+    def __repr__(self) -> str:
+        s = self._impl.stats()
+        return (f"Arena(used_bytes={s['used_bytes']}, capacity_bytes={s['capacity_bytes']}, "
+                f"max_bytes={s['max_bytes'] or None}, pin_mode={self.pin_mode!r})")
+
+    # -- used by the engine ---------------------------------------------------------------------------
+    def _allocate(self, num_bytes: int, users: int = 1) -> Region:
+        self._reap(block=False)
+        try:
+            ptr = self._impl.allocate(num_bytes)
+        except OffloadError:
+            # Regions still waiting on in-flight copies may be what stands in the way: wait, then retry.
+            if not self._deferred:
+                raise
+            self._reap(block=True)
+            ptr = self._impl.allocate(num_bytes)
+        return Region(self, ptr, num_bytes, users)
+
+    def _free(self, ptr: int, pending: Sequence[Any]) -> None:
+        events = [e for e in pending if e is not None and not e.query()]
+        with self._lock:
+            if events:
+                self._deferred.append((ptr, events))
+            else:
+                self._impl.free(ptr)
+
+    def _reap(self, block: bool) -> None:
+        with self._lock:
+            if not self._deferred:
+                return
+            still: list[tuple[int, list[Any]]] = []
+            for ptr, events in self._deferred:
+                if block:
+                    for e in events:
+                        e.synchronize()
+                if all(e.query() for e in events):
+                    self._impl.free(ptr)
+                else:
+                    still.append((ptr, events))
+            self._deferred = still
+
+
+_default_arena: Optional[Arena] = None
+_default_lock = threading.Lock()
+
+
+def default_arena() -> Arena:
+    """The arena shared by every call that names none; created on first use.
+
+    Configured from the environment: GPU_OFFLOAD_ARENA_MAX_BYTES (cap), GPU_OFFLOAD_MIN_SLAB_BYTES,
+    GPU_OFFLOAD_PIN (auto, none, hostalloc, register).
+    """
+    global _default_arena
+    with _default_lock:
+        if _default_arena is None:
+            _default_arena = Arena(
+                _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES"),
+                min_slab_bytes=_env_int("GPU_OFFLOAD_MIN_SLAB_BYTES"),
+                pin=os.environ.get("GPU_OFFLOAD_PIN", "auto"),
+            )
+            logger.debug("default arena created: %r", _default_arena)
+        return _default_arena

@@ -1,0 +1,135 @@
+"""Snapshot: a point-in-time copy of a target's storages in arena memory."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ._errors import OffloadError
+from .arena import Arena, Region
+from .storages import Layout
+
+
+class Snapshot:
+    """A non-destructive copy of a target's device state in pinned host memory.
+
+    Returned by gpu_offload.snapshot() while the copy may still be in flight (on a GPU); `wait()` blocks
+    until the host copy is complete. Restoring needs no wait: the restore is ordered after the copy on
+    the GPU. Use as a context manager to free it at the end of a block.
+    """
+
+    def __init__(self, layout: Layout, region: Region, events: list[Any]) -> None:
+        self._layout = layout
+        self._region: Optional[Region] = region
+        self._events = events  # copies writing the region (the snapshot) and reading it (restores)
+        self._lock = threading.Lock()
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes: the sum of the sizes of the storages copied."""
+        return self._layout.nbytes
+
+    @property
+    def num_storages(self) -> int:
+        return len(self._layout.storages)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self._layout.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self._layout.tensors]
+
+    @property
+    def arena(self) -> Arena:
+        return self._live().arena
+
+    @property
+    def freed(self) -> bool:
+        return self._region is None
+
+    def _live(self) -> Region:
+        region = self._region
+        if region is None:
+            raise OffloadError("this snapshot was freed; it can no longer be used")
+        return region
+
+    def _add_events(self, events: list[Any]) -> None:
+        with self._lock:
+            self._events = [e for e in self._events if not e.query()] + list(events)
+
+    def _pending(self) -> list[Any]:
+        with self._lock:
+            return list(self._events)
+
+    # -- public ---------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once every copy into (and restore from) this snapshot has finished; never blocks."""
+        self._live()
+        return all(e.query() for e in self._pending())
+
+    def wait(self) -> "Snapshot":
+        """Blocks until the host copy is complete (and restores reading it have finished)."""
+        self._live()
+        for e in self._pending():
+            e.synchronize()
+        return self
+
+    def free(self) -> None:
+        """Returns the snapshot's arena space. Copies still in flight finish first (the space is reused
+        only after them); any later use of the snapshot raises OffloadError. Freeing twice is a no-op."""
+        with self._lock:
+            region, self._region = self._region, None
+            pending, self._events = self._events, []
+        if region is not None:
+            region.release(pending)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The snapshot's tensors as CPU tensors viewing the arena memory (after waiting for the copy).
+
+        They alias the snapshot: valid until free(), and writing to them changes the snapshot.
+        """
+        region = self._live()
+        self.wait()
+        view = region.buffer(owner=self)
+        bases: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for spec in self._layout.tensors:
+            storage = self._layout.storages[spec.storage]
+            base = bases.get(spec.storage)
+            if base is None:
+                if storage.nbytes == 0:
+                    base = torch.empty(0, dtype=torch.uint8)
+                else:
+                    base = torch.frombuffer(view, dtype=torch.uint8, count=storage.nbytes, offset=storage.host_offset)
+                bases[spec.storage] = base
+            itemsize = spec.dtype.itemsize
+            typed = base[: base.numel() // itemsize * itemsize].view(spec.dtype)
+            out[spec.name] = torch.as_strided(typed, spec.shape, spec.stride, spec.offset)
+        return out
+
+    def __del__(self) -> None:
+        # A dropped snapshot gives its space back, as a dropped CPU state dict would.
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown: the arena may already be gone
+            pass
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self._region is None else ("done" if all(e.query() for e in self._pending()) else "in flight")
+        return (f"Snapshot({self.num_tensors} tensors, {self.num_storages} storages, {self.nbytes} bytes, "
+                f"devices={[str(d) for d in self._layout.devices]}, {state})")

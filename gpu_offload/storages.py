@@ -1,0 +1,179 @@
+"""Storages: tensors grouped by the memory they live in, each storage copied once, whole.
+
+A Layout records, for every named tensor, which storage it views and how (offset, shape, stride,
+dtype), and for every storage its size, device and place in the host region. Two targets with equal
+layouts (e.g. a model and its freshly built twin) can exchange snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ._errors import LayoutMismatchError, OffloadError
+
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+# Storages are placed at 256-byte boundaries (what the copy engines like); small ones at 16 bytes so
+# thousands of tiny tensors do not waste the arena (16 bytes: one vector access of a gather kernel).
+_LARGE_ALIGNMENT = 256
+_SMALL_ALIGNMENT = 16
+_SMALL_STORAGE_BYTES = 64 * 1024
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    storage: int  # index into Layout.storages
+    offset: int  # storage_offset, in elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    name: str  # the first tensor that views it
+    nbytes: int
+    device: torch.device
+    host_offset: int  # where it sits in the host region
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensors: tuple[TensorSpec, ...]
+    storages: tuple[StorageSpec, ...]
+    host_bytes: int  # region size needed for all storages
+
+    @property
+    def nbytes(self) -> int:
+        """Payload: the sum of the storages' sizes."""
+        return sum(s.nbytes for s in self.storages)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return sorted({s.device for s in self.storages}, key=str)
+
+
+@dataclass
+class Bound:
+    """A layout together with the live storages of the target it was read from (same order)."""
+
+    layout: Layout
+    storages: list[torch.UntypedStorage]
+    keys: list[int]  # the storages' identities (StorageImpl addresses), stable while they live
+
+
+def unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding a wrapper's data: a DTensor's local shard, a Parameter's data."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    return t
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    """Raises OffloadError for anything that has no plain, strided CPU/CUDA storage to copy."""
+    if not isinstance(t, torch.Tensor):
+        raise OffloadError(f"{name}: expected a tensor, got {type(t).__qualname__}")
+    t = unwrap(t)
+    if t.is_meta or t.device.type == "meta":
+        raise OffloadError(f"{name}: meta tensors have no data to copy")
+    if t.layout != torch.strided:
+        raise OffloadError(f"{name}: {t.layout} tensors are not supported (only strided); densify it first")
+    if t.device.type not in _SUPPORTED_DEVICE_TYPES:
+        raise OffloadError(f"{name}: device {t.device} is not supported (cpu or cuda)")
+    if t.is_quantized:
+        raise OffloadError(f"{name}: quantized tensors are not supported")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+        # Other tensor subclasses (fake, functional, ...) may have no real storage behind them.
+        try:
+            t.untyped_storage().data_ptr()
+        except Exception as exc:
+            raise OffloadError(f"{name}: {type(t).__qualname__} has no storage to copy ({exc})") from None
+    return t
+
+
+def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None) -> Bound:
+    """Groups named tensors by storage and lays the storages out in a host region.
+
+    nbytes_of overrides a storage's size by its key (offloaded storages have 0 bytes on the device).
+    """
+    seen_names: set[str] = set()
+    index_of: dict[int, int] = {}
+    storages: list[torch.UntypedStorage] = []
+    keys: list[int] = []
+    specs: list[StorageSpec] = []
+    tensors: list[TensorSpec] = []
+    host = 0
+    for name, raw in named:
+        if name in seen_names:
+            raise OffloadError(f"duplicate tensor name {name!r} in target")
+        seen_names.add(name)
+        t = check_tensor(name, raw)
+        storage = t.untyped_storage()
+        key = storage._cdata
+        idx = index_of.get(key)
+        if idx is None:
+            idx = len(storages)
+            index_of[key] = idx
+            nbytes = storage.nbytes()
+            if nbytes_of is not None:
+                nbytes = nbytes_of.get(key, nbytes)
+            host = _align(host, _LARGE_ALIGNMENT if nbytes >= _SMALL_STORAGE_BYTES else _SMALL_ALIGNMENT)
+            specs.append(StorageSpec(name, nbytes, t.device, host))
+            host += nbytes
+            storages.append(storage)
+            keys.append(key)
+        tensors.append(TensorSpec(name, idx, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype))
+    return Bound(Layout(tuple(tensors), tuple(specs), host), storages, keys)
+
+
+def match(snapshot: Layout, target: Layout, max_report: int = 5) -> list[int]:
+    """Maps each target storage to the snapshot storage it must receive.
+
+    Raises LayoutMismatchError naming the first differences when names, shapes, strides, offsets, dtypes,
+    devices, storage sharing or storage sizes differ.
+    """
+    if snapshot == target:
+        return list(range(len(target.storages)))
+    problems: list[str] = []
+    snap_by_name = {t.name: t for t in snapshot.tensors}
+    target_by_name = {t.name: t for t in target.tensors}
+    missing = [n for n in snap_by_name if n not in target_by_name]
+    extra = [n for n in target_by_name if n not in snap_by_name]
+    if missing:
+        problems.append(f"missing from target: {', '.join(missing[:max_report])}"
+                        + (f" (+{len(missing) - max_report} more)" if len(missing) > max_report else ""))
+    if extra:
+        problems.append(f"not in snapshot: {', '.join(extra[:max_report])}"
+                        + (f" (+{len(extra) - max_report} more)" if len(extra) > max_report else ""))
+    mapping: dict[int, int] = {}
+    for name, tt in target_by_name.items():
+        st = snap_by_name.get(name)
+        if st is None:
+            continue
+        for field in ("shape", "stride", "offset", "dtype"):
+            a, b = getattr(st, field), getattr(tt, field)
+            if a != b:
+                problems.append(f"{name}: {field} {b} in target, {a} in snapshot")
+        ss, ts = snapshot.storages[st.storage], target.storages[tt.storage]
+        if ss.device != ts.device:
+            problems.append(f"{name}: device {ts.device} in target, {ss.device} in snapshot")
+        if ss.nbytes != ts.nbytes:
+            problems.append(f"{name}: storage of {ts.nbytes} bytes in target, {ss.nbytes} in snapshot")
+        previous = mapping.setdefault(tt.storage, st.storage)
+        if previous != st.storage:
+            problems.append(f"{name}: shares a storage in the target that it does not share in the snapshot")
+        if len(problems) >= max_report:
+            break
+    if not problems and len(set(mapping.values())) != len(mapping):
+        problems.append("tensors that are separate in the target share a storage in the snapshot")
+    if problems:
+        raise LayoutMismatchError("target layout differs from the snapshot: " + "; ".join(problems[:max_report]))
+    return [mapping[i] for i in range(len(target.storages))]
