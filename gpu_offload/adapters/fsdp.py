@@ -149,30 +149,33 @@ def _fsdp1_units(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
 
 
 def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
-    """Make the handle's flat parameter point at its local shard, resharding an idle unsharded root."""
+    """Leave the unit with its flat parameter on the local shard and no unsharded copy allocated."""
     fp = handle.flat_param
     if not handle.uses_sharded_strategy or not hasattr(fp, "_local_shard"):
         # NO_SHARD has no separate full buffer; before lazy init the flat parameter *is* the shard.
         return
-    local = fp._local_shard
-    if fp.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and fp.numel() == local.numel():
+    on_shard = fp.untyped_storage().data_ptr() == fp._local_shard.untyped_storage().data_ptr()
+    # After a forward the root points back at its shard but keeps the all-gathered buffer allocated, and
+    # the next forward reuses that buffer without an all-gather (FlatParamHandle.needs_unshard()).
+    full = [getattr(fp, a, None) for a in ("_full_param_padded", "_full_prec_full_param_padded")]
+    if on_shard and not any(t is not None and t.untyped_storage().size() > 0 for t in full):
         return
     idle_state = getattr(state, "training_state", None)
     idle_handle = getattr(handle, "_training_state", None)
     if getattr(idle_state, "name", "IDLE") != "IDLE" or getattr(idle_handle, "name", "IDLE") != "IDLE":
         raise OffloadError(
             f"FSDP unit {path or '<root>'!r} is unsharded inside forward/backward or summon_full_params "
-            f"({idle_state}); snapshot, restore or offload it between training steps"
+            f"({idle_state}, {idle_handle}); snapshot, restore or offload it between training steps"
         )
     logger.debug("resharding idle unsharded FSDP1 unit %r before taking its shard", path or "<root>")
     try:
         from torch.distributed.fsdp._runtime_utils import _reshard
-
-        _reshard(state, handle, True)
-    except ImportError:  # pragma: no cover - same steps as torch's private helper
+    except ImportError:  # pragma: no cover - the same steps as torch's private helper
         handle.reshard(True)
         handle.post_reshard()
         handle._prefetched = False
+    else:
+        _reshard(state, handle, True)
 
 
 def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,104 @@
+"""GPU-only behaviour: stream order, memory really freed, copies overlapping work. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpu_offload as go
+from conftest import assert_bitwise_equal
+
+pytestmark = pytest.mark.cuda
+
+
+def _sleep_kernel(ms: float) -> None:
+    # Keeps the current stream busy, so a copy that does not wait for it would read stale data.
+    torch.cuda._sleep(int(ms * 1_000_000))
+
+
+def test_snapshot_sees_work_enqueued_before_it_and_not_after():
+    dev = torch.device("cuda")
+    w = torch.zeros(64 << 20, device=dev)  # 256 MiB: long enough to race
+    _sleep_kernel(50)
+    w.fill_(1.0)  # enqueued before the snapshot: must be in it
+    snap = go.snapshot({"w": w})
+    w.fill_(2.0)  # enqueued after: must not leak into it
+    snap.wait()
+    host = snap.tensors()["w"]
+    assert bool((host == 1.0).all())
+    torch.cuda.synchronize()
+    assert bool((w == 2.0).all())
+    snap.free()
+
+
+def test_restore_is_seen_by_later_work():
+    dev = torch.device("cuda")
+    w = torch.full((16 << 20,), 3.0, device=dev)
+    snap = go.snapshot({"w": w})
+    w.zero_()
+    _sleep_kernel(20)
+    go.restore({"w": w}, snap)
+    total = w.sum()  # enqueued after the restore on the same stream
+    assert total.item() == 3.0 * (16 << 20)
+    snap.free()
+
+
+def test_snapshot_returns_before_the_copy_finishes_and_wait_completes_it():
+    w = torch.randn(32 << 20, device="cuda")
+    _sleep_kernel(100)
+    snap = go.snapshot({"w": w})
+    assert not snap.done()  # still behind the sleeping kernel: the CPU was not blocked
+    snap.wait()
+    assert snap.done()
+    assert_bitwise_equal(snap.tensors()["w"].cuda(), w)
+    snap.free()
+
+
+def test_offload_frees_device_memory_and_reload_brings_it_back():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)]).cuda()
+    payload = sum(p.numel() * p.element_size() for p in model.parameters())
+    expected = [p.detach().clone() for p in model.parameters()]
+    before = torch.cuda.memory_allocated()
+    go.offload(model)
+    after = torch.cuda.memory_allocated()
+    assert before - after >= payload
+    assert torch.cuda.memory_reserved() <= before - payload + (64 << 20)
+    go.reload(model)
+    assert torch.cuda.memory_allocated() == before
+    for p, e in zip(model.parameters(), expected):
+        assert_bitwise_equal(p, e)
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+
+
+def test_arena_is_pinned_on_a_gpu_machine():
+    arena = go.Arena(min_slab_bytes=4 << 20)
+    go.snapshot({"w": torch.ones(10, device="cuda")}, arena=arena).free()
+    assert arena.pin_mode in ("register", "hostalloc")
+
+
+def test_mixed_cpu_and_cuda_target(arena):
+    state = {"gpu": torch.randn(1000, device="cuda"), "cpu": torch.randn(1000), "step": torch.tensor(3.0)}
+    expected = {k: v.clone() for k, v in state.items()}
+    snap = go.snapshot(state, arena=arena)
+    for v in state.values():
+        v.zero_()
+    go.restore(state, snap)
+    for k in state:
+        assert_bitwise_equal(state[k], expected[k])
+    go.offload(state, arena=arena)
+    go.reload(state)
+    for k in state:
+        assert_bitwise_equal(state[k], expected[k])
+
+
+def test_many_small_tensors_round_trip(arena):
+    state = {f"t{i}": torch.randn(2048, device="cuda", dtype=torch.bfloat16) for i in range(4096)}
+    expected = {k: v.clone() for k, v in state.items()}
+    snap = go.snapshot(state, arena=arena)
+    for v in state.values():
+        v.zero_()
+    go.restore(state, snap)
+    for k in state:
+        assert_bitwise_equal(state[k], expected[k])
