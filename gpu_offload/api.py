@@ -19,7 +19,7 @@ from ._errors import OffloadError
 from .adapters import named_tensors
 from .arena import Arena, Region, default_arena
 from .snapshot import Snapshot
-from .storages import Bound, bind, match
+from .storages import bind, match
 
 logger = logging.getLogger("gpu_offload")
 
@@ -42,27 +42,34 @@ _offloaded: dict[int, _Offloaded] = {}
 _registry_lock = threading.RLock()
 
 
-def _log_rate(op: str, nbytes: int, start: float, bound: Bound, synchronous: bool) -> None:
+def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages: int, synchronous: bool) -> None:
     if logger.isEnabledFor(logging.DEBUG):
         seconds = time.perf_counter() - start
-        rate = f", {nbytes / seconds / 1e9:.2f} GB/s" if synchronous and seconds > 0 else " (enqueued)"
-        logger.debug("%s: %d tensors, %d storages, %d bytes in %.3f ms%s", op, len(bound.layout.tensors),
-                     len(bound.storages), nbytes, seconds * 1e3, rate)
+        rate = f", {nbytes / seconds / 1e9:.2f} GB/s" if synchronous and seconds > 0 else " (copies enqueued)"
+        logger.debug("%s: %d tensors, %d storages, %d bytes in %.3f ms%s", op, num_tensors, num_storages, nbytes,
+                     seconds * 1e3, rate)
 
 
-def _bind_live(target: Any, include_grads: bool, op: str) -> Bound:
-    bound = bind(named_tensors(target, include_grads=include_grads))
-    with _registry_lock:
-        for key, spec in zip(bound.keys, bound.layout.storages):
-            if key in _offloaded:
-                raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
-    return bound
+def _resolve_live(target: Any, include_grads: bool, op: str) -> _plan.Resolved:
+    """The target's plan; refuses targets with offloaded storages."""
+    resolved = _plan.resolve(named_tensors(target, include_grads=include_grads))
+    if _offloaded:  # nothing to look up in the common case of nothing offloaded
+        with _registry_lock:
+            for key, spec in zip(resolved.plan.keys, resolved.layout.storages):
+                if key in _offloaded:
+                    raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
+    return resolved
 
 
-def _entries(bound: Bound, host_offsets: Optional[list[int]] = None) -> list[tuple[torch.device, int, int, int]]:
-    specs = bound.layout.storages
-    offsets = host_offsets if host_offsets is not None else [s.host_offset for s in specs]
-    return [(s.device, st.data_ptr(), off, s.nbytes) for s, st, off in zip(specs, bound.storages, offsets)]
+def _check_sizes(resolved: _plan.Resolved) -> None:
+    """On a cache hit, re-reads storage sizes before writing into them (a storage freed and re-allocated at
+    the same address with another size must not be overrun)."""
+    if resolved.hit:
+        for spec, storage in zip(resolved.layout.storages, resolved.storages()):
+            if storage.nbytes() != spec.nbytes:
+                _plan.clear_cache()
+                raise OffloadError(f"{spec.name}: storage changed size ({storage.nbytes()} bytes, was {spec.nbytes}) "
+                                   "during the call; retry")
 
 
 def _empty_cache(devices: list[torch.device]) -> None:
@@ -88,16 +95,17 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     """
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
-    bound = _bind_live(target, include_grads, "snapshot")
-    plans = _plan.build(_entries(bound))
-    region = arena._allocate(bound.layout.host_bytes)
+    resolved = _resolve_live(target, include_grads, "snapshot")
+    layout = resolved.layout
+    plans = resolved.plan.copies()
+    region = arena._allocate(layout.host_bytes)
     try:
         events = plans.run(True, region.ptr)
     except BaseException:
         region.release()
         raise
-    _log_rate("snapshot", bound.layout.nbytes, start, bound, not events)
-    return Snapshot(bound.layout, region, events)
+    _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
+    return Snapshot(layout, region, events)
 
 
 def restore(target: Any, snap: Snapshot) -> None:
@@ -114,18 +122,15 @@ def restore(target: Any, snap: Snapshot) -> None:
         raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
     start = time.perf_counter()
     region = snap._live()
-    bound = _bind_live(target, _has_grads(snap), "restore")
-    mapping = match(snap.layout, bound.layout)
-    offsets = [snap.layout.storages[i].host_offset for i in mapping]
-    plans = _plan.build(_entries(bound, offsets))
+    resolved = _resolve_live(target, snap.layout.has_grads, "restore")
+    layout = resolved.layout
+    mapping = match(snap.layout, layout)
+    _check_sizes(resolved)
+    plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
     # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
     events = plans.run(False, region.ptr, waits=snap._pending())
     snap._add_events(events)
-    _log_rate("restore", bound.layout.nbytes, start, bound, not events)
-
-
-def _has_grads(snap: Snapshot) -> bool:
-    return any(t.name.endswith(".grad") for t in snap.layout.tensors)
+    _log_rate("restore", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
 def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = False, arena: Optional[Arena] = None) -> None:
@@ -143,16 +148,19 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     with _registry_lock:
-        bound = _bind_live(target, include_grads, "offload")
-        for spec, storage in zip(bound.layout.storages, bound.storages):
+        resolved = _resolve_live(target, include_grads, "offload")
+        _check_sizes(resolved)
+        layout = resolved.layout
+        storages = resolved.storages()
+        for spec, storage in zip(layout.storages, storages):
             if spec.nbytes and not storage.resizable():
                 raise OffloadError(f"cannot offload {spec.name}: its storage is not resizable "
                                    "(memory borrowed from numpy, DLPack or a file?)")
-        live = [(k, spec, st) for k, spec, st in zip(bound.keys, bound.layout.storages, bound.storages) if spec.nbytes]
+        live = [(k, spec, st) for k, spec, st in zip(resolved.plan.keys, layout.storages, storages) if spec.nbytes]
         if not live:
             raise OffloadError("nothing to offload: the target holds no device memory")
-        plans = _plan.build(_entries(bound))
-        region = arena._allocate(bound.layout.host_bytes, users=len(live))
+        plans = resolved.plan.copies()
+        region = arena._allocate(layout.host_bytes, users=len(live))
         try:
             events = plans.run(True, region.ptr)
         except BaseException:
@@ -165,8 +173,8 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         for _, _, storage in live:
             storage.resize_(0)
     if empty_cache:
-        _empty_cache(bound.layout.devices)
-    _log_rate("offload", bound.layout.nbytes, start, bound, not events)
+        _empty_cache(layout.devices)
+    _log_rate("offload", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
 def reload(target: Any) -> None:
@@ -182,6 +190,7 @@ def reload(target: Any) -> None:
     with _registry_lock:
         bound = bind(named, {k: r.nbytes for k, r in _offloaded.items()})
         records = [(k, st, _offloaded[k]) for k, st in zip(bound.keys, bound.storages) if k in _offloaded]
+        layout = bound.layout
         if not records:
             raise OffloadError("cannot reload: nothing in the target is offloaded")
         resized: list[torch.UntypedStorage] = []
@@ -204,12 +213,12 @@ def reload(target: Any) -> None:
         for items in by_region.values():
             region = items[0][2].region
             entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
-            events = _plan.build(entries).run(False, region.ptr, waits=items[0][2].events)
+            events = _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)
             for key, _, _ in items:
                 del _offloaded[key]
             for _ in items:
                 region.release(events)
-    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, bound, True)
+    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(layout.tensors), len(records), True)
 
 
 def is_offloaded(target: Any) -> bool:

@@ -1,13 +1,18 @@
-"""Cached copy plans: a bound layout turned into one _C.CopyPlan per device.
+"""Cached copy plans.
 
-The pointer arrays are built once per (storage pointers, sizes, host offsets) and kept in C++; a training
-loop that snapshots the same model every step reuses them, and per-call Python work stays per storage,
-never per byte.
+For each target, which storages it has, their sizes, their places in the host region and the pointer
+arrays handed to C++ are computed once (a TargetPlan) and reused while the target's tensors are the same
+objects at the same addresses. A training loop that snapshots the same model every step then does, per
+call, a few list operations over its tensors and one C++ call per device; any change (a parameter
+replaced, a reload that moved a storage) is seen and the plan is rebuilt.
+
+The cache holds no strong reference to tensors or storages: dropping a model drops its memory.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -15,10 +20,9 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
+from .storages import Bound, Layout, bind
 
-_MAX_CACHED = 64
-_cache: "OrderedDict[tuple, CopyPlans]" = OrderedDict()
-_cache_lock = threading.Lock()
+_MAX_CACHED = 32
 
 
 def _device_index(device: torch.device) -> int:
@@ -28,7 +32,7 @@ def _device_index(device: torch.device) -> int:
 
 
 class CopyPlans:
-    """The copies for one target layout, grouped by device."""
+    """The copies for one target layout, one _C.CopyPlan per device."""
 
     def __init__(self, groups: list[tuple[int, Any]]) -> None:
         self.groups = groups  # (device index or -1, _C.CopyPlan)
@@ -38,8 +42,8 @@ class CopyPlans:
         return sum(p.num_copies for _, p in self.groups)
 
     def run(self, to_host: bool, host_base: int, waits: Sequence[Any] = (), stream_waits: bool = True) -> list[Any]:
-        """Runs every group; returns the completion events of the device groups (host groups finish
-        before this returns). Device groups are ordered after their current stream's pending work."""
+        """Runs every group; returns the device groups' completion events (host groups are done when this
+        returns). Device groups are ordered after their current stream's pending work."""
         events: list[Any] = []
         wait_list = [e for e in waits if e is not None]
         for device, plan in self.groups:
@@ -50,43 +54,138 @@ class CopyPlans:
         return events
 
 
-def build(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyPlans:
-    """Plans copies of (device, device pointer, host offset, nbytes) entries; cached by their values."""
-    key = tuple((str(d), p, o, n) for d, p, o, n in entries)
-    with _cache_lock:
-        plans = _cache.get(key)
-        if plans is not None:
-            _cache.move_to_end(key)
-            return plans
+def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyPlans:
+    """Plans copies of (device, device pointer, host offset, nbytes) entries, grouped by device."""
     by_device: dict[int, tuple[list[int], list[int], list[int]]] = {}
     for device, ptr, offset, nbytes in entries:
         if nbytes == 0:
             continue
-        idx = _device_index(device)
-        ptrs, offsets, sizes = by_device.setdefault(idx, ([], [], []))
+        ptrs, offsets, sizes = by_device.setdefault(_device_index(device), ([], [], []))
         ptrs.append(ptr)
         offsets.append(offset)
         sizes.append(nbytes)
     if any(idx >= 0 for idx in by_device) and not _C.cuda_compiled():
         raise OffloadError("the target has CUDA tensors but gpu_offload was built without CUDA; "
                            "reinstall with nvcc available (GPU_OFFLOAD_CUDA=1)")
-    plans = CopyPlans([(idx, _C.CopyPlan(idx, *arrays)) for idx, arrays in sorted(by_device.items())])
-    with _cache_lock:
-        _cache[key] = plans
-        while len(_cache) > _MAX_CACHED:
-            _cache.popitem(last=False)
-    return plans
+    return CopyPlans([(idx, _C.CopyPlan(idx, *arrays)) for idx, arrays in sorted(by_device.items())])
+
+
+class TargetPlan:
+    """A target's layout and copy plans, valid while its tensors are the same objects at the same addresses."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], ptrs: list[int], bound: Bound) -> None:
+        self.names = names
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.ptrs = ptrs
+        self.layout: Layout = bound.layout
+        self.keys = bound.keys
+        self.storage_ptrs = [s.data_ptr() for s in bound.storages]
+        # One tensor index per storage, to reach the storage again without keeping it alive.
+        first: dict[int, int] = {}
+        for i, spec in enumerate(bound.layout.tensors):
+            first.setdefault(spec.storage, i)
+        self.first_tensor = [first[i] for i in range(len(bound.layout.storages))]
+        self._copies: Optional[CopyPlans] = None
+        self._remapped: dict[tuple[int, ...], CopyPlans] = {}
+        self._lock = threading.Lock()
+
+    def copies(self, host_offsets: Optional[list[int]] = None) -> CopyPlans:
+        """Plans for the layout's own host offsets, or for other offsets (restoring another layout's
+        snapshot); both cached."""
+        specs = self.layout.storages
+        if host_offsets is None or host_offsets == [s.host_offset for s in specs]:
+            with self._lock:
+                if self._copies is None:
+                    self._copies = build_copies([(s.device, p, s.host_offset, s.nbytes)
+                                                 for s, p in zip(specs, self.storage_ptrs)])
+                return self._copies
+        key = tuple(host_offsets)
+        with self._lock:
+            plans = self._remapped.get(key)
+            if plans is None:
+                plans = build_copies([(s.device, p, o, s.nbytes) for s, p, o in zip(specs, self.storage_ptrs, host_offsets)])
+                self._remapped = {key: plans}  # keep one: a target is restored from a few layouts at most
+            return plans
+
+
+class Resolved:
+    """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
+
+    def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], bound: Optional[Bound], hit: bool) -> None:
+        self.plan = plan
+        self.tensors = tensors
+        self._bound = bound
+        self.hit = hit
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        if self._bound is not None:
+            return self._bound.storages
+        firsts = [self.tensors[i] for i in self.plan.first_tensor]
+        try:
+            return list(map(torch.Tensor.untyped_storage, firsts))
+        except Exception:  # wrapper subclasses (DTensor): their local shards hold the storage
+            from .storages import unwrap
+
+            return [unwrap(t).untyped_storage() for t in firsts]
+
+
+_cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
+_cache_lock = threading.Lock()
+_stats = {"hits": 0, "misses": 0}
+
+
+def _tensor_ptrs(tensors: list[torch.Tensor]) -> Optional[list[int]]:
+    try:
+        return list(map(torch.Tensor.data_ptr, tensors))
+    except Exception:  # wrapper subclasses without data_ptr (DTensor): compare their local shards
+        from .storages import unwrap
+
+        try:
+            return [unwrap(t).data_ptr() for t in tensors]
+        except Exception:
+            return None
+
+
+def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None) -> Resolved:
+    """The target's plan, from the cache when its tensors are unchanged, else freshly bound.
+
+    nbytes_of (used by reload) forces a fresh bind with storage sizes overridden by key.
+    """
+    names = [n for n, _ in named]
+    tensors = [t for _, t in named]
+    if nbytes_of is None:
+        key = tuple(map(id, tensors))
+        ptrs = _tensor_ptrs(tensors)
+        with _cache_lock:
+            plan = _cache.get(key)
+            if plan is not None:
+                _cache.move_to_end(key)
+        if (plan is not None and ptrs is not None and plan.ptrs == ptrs and plan.names == names
+                and all(r() is t for r, t in zip(plan.refs, tensors))):
+            _stats["hits"] += 1
+            return Resolved(plan, tensors, None, True)
+    bound = bind(named, nbytes_of)
+    _stats["misses"] += 1
+    plan = TargetPlan(names, tensors, _tensor_ptrs(tensors) or [], bound)
+    if nbytes_of is None and plan.ptrs and all(plan.storage_ptrs[i] or not s.nbytes
+                                               for i, s in enumerate(bound.layout.storages)):
+        with _cache_lock:
+            _cache[tuple(map(id, tensors))] = plan
+            while len(_cache) > _MAX_CACHED:
+                _cache.popitem(last=False)
+    return Resolved(plan, tensors, bound, False)
 
 
 def cache_info() -> dict[str, int]:
+    """Plans cached, and cache hits and misses since the start."""
     with _cache_lock:
-        return {"num_plans": len(_cache)}
+        return {"num_plans": len(_cache), **_stats}
 
 
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
-
-
-def cuda_devices(groups: Optional[CopyPlans]) -> list[int]:
-    return [] if groups is None else [d for d, _ in groups.groups if d >= 0]

@@ -8,6 +8,7 @@ layouts (e.g. a model and its freshly built twin) can exchange snapshots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
@@ -50,14 +51,19 @@ class Layout:
     storages: tuple[StorageSpec, ...]
     host_bytes: int  # region size needed for all storages
 
-    @property
+    # Computed once per layout: layouts are cached and read on every call.
+    @cached_property
     def nbytes(self) -> int:
         """Payload: the sum of the storages' sizes."""
         return sum(s.nbytes for s in self.storages)
 
-    @property
+    @cached_property
     def devices(self) -> list[torch.device]:
         return sorted({s.device for s in self.storages}, key=str)
+
+    @cached_property
+    def has_grads(self) -> bool:
+        return any(t.name.endswith(".grad") for t in self.tensors)
 
 
 @dataclass
@@ -134,14 +140,15 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
     return Bound(Layout(tuple(tensors), tuple(specs), host), storages, keys)
 
 
-def match(snapshot: Layout, target: Layout, max_report: int = 5) -> list[int]:
-    """Maps each target storage to the snapshot storage it must receive.
+def match(snapshot: Layout, target: Layout, max_report: int = 5) -> Optional[list[int]]:
+    """Maps each target storage to the snapshot storage it must receive (None: the same layout, storage i
+    to storage i).
 
     Raises LayoutMismatchError naming the first differences when names, shapes, strides, offsets, dtypes,
     devices, storage sharing or storage sizes differ.
     """
-    if snapshot == target:
-        return list(range(len(target.storages)))
+    if snapshot is target or snapshot == target:  # identity: the common case of a cached plan
+        return None
     problems: list[str] = []
     snap_by_name = {t.name: t for t in snapshot.tensors}
     target_by_name = {t.name: t for t in target.tensors}

@@ -48,8 +48,18 @@ def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top:
     elif _is_optimizer(obj):
         out.extend((prefix + name, t) for name, t in optimizer_tensors(obj))
     elif isinstance(obj, Mapping):
+        if not prefix and all(type(v) is torch.Tensor for v in obj.values()):
+            # A flat dict of plain tensors (a state dict): no per-item dispatch.
+            if all(type(k) is str for k in obj):
+                out.extend(obj.items())
+            else:
+                out.extend((str(k), v) for k, v in obj.items())
+            return
         for key, value in obj.items():
-            _collect(value, f"{prefix}{key}.", include_grads, out)
+            if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
+                out.append((f"{prefix}{key}", value))
+            else:
+                _collect(value, f"{prefix}{key}.", include_grads, out)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             _collect(value, f"{prefix}{i}.", include_grads, out)

@@ -100,8 +100,10 @@ def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel
     if any(isinstance(m, ddp) for m in module.modules()):
         found.append("torch DistributedDataParallel")
-    if any(type(m).__module__.startswith("megatron.core.distributed") for m in module.modules()):
-        found.append("megatron-core DistributedDataParallel")
+    from .megatron import is_megatron_ddp  # never imports megatron itself
+
+    if any(is_megatron_ddp(m) for m in module.modules()):
+        found.append("a megatron-core data-parallel wrapper")
     if found:
         raise OffloadError(
             f"module mixes {strategy.upper()} with {', '.join(found)}; one snapshot target must use a single "
@@ -154,7 +156,7 @@ def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
     if not handle.uses_sharded_strategy or not hasattr(fp, "_local_shard"):
         # NO_SHARD has no separate full buffer; before lazy init the flat parameter *is* the shard.
         return
-    on_shard = fp.untyped_storage().data_ptr() == fp._local_shard.untyped_storage().data_ptr()
+    on_shard = fp.untyped_storage()._cdata == fp._local_shard.untyped_storage()._cdata
     # After a forward the root points back at its shard but keeps the all-gathered buffer allocated, and
     # the next forward reuses that buffer without an all-gather (FlatParamHandle.needs_unshard()).
     full = [getattr(fp, a, None) for a in ("_full_param_padded", "_full_prec_full_param_padded")]

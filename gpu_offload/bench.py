@@ -1,0 +1,222 @@
+"""Benchmark: the engine beside the link limit and the baselines, measured in one run.
+
+Layouts come from the package's copy of the calibration layouts (the parameter shapes of a model as
+run-length [shape, count] runs). On a machine without a GPU the layout is scaled down by dividing each
+shape's first dimension (tensor count kept), and the "link" is host memory: the limit is one contiguous
+copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import api
+from ._errors import OffloadError
+from .arena import Arena
+
+logger = logging.getLogger("gpu_offload")
+
+LAYOUT_NAMES = ("qwen1.5b", "qwen7b", "small64k", "tiny4k", "mixed")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+
+
+@dataclass
+class Layout:
+    name: str
+    dtype: torch.dtype
+    shapes: list[tuple[int, ...]]
+    scale: int = 1
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def nbytes(self) -> int:
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(math.prod(s) for s in self.shapes) * item
+
+
+def load_layout(name_or_path: str, *, dtype: Optional[str] = None, scale: int = 1) -> Layout:
+    """A named layout from the package data, or a JSON file with the same fields ({"dtype", "runs"})."""
+    path = Path(name_or_path)
+    if name_or_path in LAYOUT_NAMES:
+        table = json.loads(resources.files("gpu_offload").joinpath("data/layouts.json").read_text())
+        spec = table[name_or_path]
+    elif path.suffix == ".json" or path.exists():
+        try:
+            spec = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise OffloadError(f"layout file {path} does not exist") from None
+        except (OSError, ValueError) as exc:
+            raise OffloadError(f"layout file {path} is not readable JSON: {exc}") from None
+    else:
+        raise OffloadError(f"unknown layout {name_or_path!r}: use one of {', '.join(LAYOUT_NAMES)} or a JSON file")
+    try:
+        dtype_name = dtype or spec.get("dtype", "bfloat16")
+        torch_dtype = _DTYPES[dtype_name]
+        shapes: list[tuple[int, ...]] = []
+        for shape, count in spec["runs"]:
+            shape = [int(d) for d in shape]
+            if shape and scale > 1:
+                shape[0] = max(1, shape[0] // scale)
+            shapes.extend([tuple(shape)] * int(count))
+    except KeyError as exc:
+        raise OffloadError(f"layout {name_or_path}: missing or unknown field {exc} "
+                           f"(dtypes: {', '.join(_DTYPES)}; runs: [[shape, count], ...])") from None
+    except (TypeError, ValueError) as exc:
+        raise OffloadError(f"layout {name_or_path}: malformed runs ({exc}); expected [[shape, count], ...]") from None
+    if not shapes:
+        raise OffloadError(f"layout {name_or_path} has no tensors")
+    return Layout(str(spec.get("name", name_or_path)), torch_dtype, shapes, scale)
+
+
+def make_tensors(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    """One tensor per shape, each its own storage, filled with a cheap non-constant pattern."""
+    out = {}
+    for i, shape in enumerate(layout.shapes):
+        t = torch.empty(shape, dtype=layout.dtype, device=device)
+        t.fill_(i % 251)
+        out[f"t{i}"] = t
+    return out
+
+
+@dataclass
+class Row:
+    method: str
+    direction: str  # d2h, h2d, both
+    seconds: float
+    nbytes: int
+    gbps: float
+    ratio: Optional[float] = None  # to the limit of the same direction, same run
+    note: str = ""
+
+
+@dataclass
+class Result:
+    layout: str
+    device: str
+    num_tensors: int
+    nbytes: int
+    scale: int
+    repeats: int
+    rows: list[Row] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Optional[Callable[[], Any]] = None,
+          warmup: int = 1) -> float:
+    """Median seconds of fn over repeats, after warm-up; setup runs untimed before each call."""
+    times = []
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,
+        progress: Optional[Callable[[str], None]] = None) -> Result:
+    """Measures every method on one layout; returns rows with GB/s and the ratio to the limit."""
+    step = progress or (lambda _name: None)
+    tensors = make_tensors(layout, device)
+    nbytes = layout.nbytes
+    result = Result(layout.name, str(device), layout.num_tensors, nbytes, layout.scale, repeats)
+    pinned = device.type == "cuda"
+    limits: dict[str, float] = {}
+
+    def add(method: str, direction: str, seconds: float, note: str = "") -> None:
+        gbps = nbytes / seconds / 1e9
+        ratio = gbps / limits[direction] if direction in limits and method != "limit" else None
+        result.rows.append(Row(method, direction, seconds, nbytes, gbps, ratio, note))
+
+    # The limit: one contiguous copy of the same bytes, each way.
+    step("limit")
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    t = _time(lambda: flat_host.copy_(flat_dev, non_blocking=True), device, repeats)
+    limits["d2h"] = nbytes / t / 1e9
+    add("limit", "d2h", t, "one contiguous copy of the same bytes" + (" (pinned)" if pinned else ""))
+    t = _time(lambda: flat_dev.copy_(flat_host, non_blocking=True), device, repeats)
+    limits["h2d"] = nbytes / t / 1e9
+    add("limit", "h2d", t, "one contiguous copy of the same bytes" + (" (pinned)" if pinned else ""))
+    del flat_dev, flat_host
+
+    # The engine, on a warm arena (first cycle pins; steady state is what a training loop sees).
+    arena = Arena()
+    step("gpu_offload.snapshot")
+    holder: dict[str, Any] = {}
+
+    def snap() -> None:
+        holder["snap"] = api.snapshot(tensors, arena=arena).wait()
+
+    def free_snap() -> None:
+        if "snap" in holder:
+            holder.pop("snap").free()
+
+    add("gpu_offload.snapshot+wait", "d2h", _time(snap, device, repeats, setup=free_snap))
+    step("gpu_offload.restore")
+    add("gpu_offload.restore", "h2d", _time(lambda: api.restore(tensors, holder["snap"]), device, repeats))
+    free_snap()
+    step("gpu_offload.offload")
+    add("gpu_offload.offload", "d2h",
+        _time(lambda: api.offload(tensors, arena=arena), device, repeats,
+              setup=lambda: api.is_offloaded(tensors) and api.reload(tensors)), "empty_cache included")
+    step("gpu_offload.reload")
+    add("gpu_offload.reload", "h2d",
+        _time(lambda: api.reload(tensors), device, repeats,
+              setup=lambda: api.is_offloaded(tensors) or api.offload(tensors, arena=arena)))
+    if api.is_offloaded(tensors):
+        api.reload(tensors)
+    result.info["arena"] = arena.stats()
+
+    if baselines:
+        step("baselines")
+        values = list(tensors.values())
+        if device.type == "cuda":
+            add("seed: p.cpu().clone()", "d2h", _time(lambda: [p.cpu().clone() for p in values], device, 1),
+                "verl DetachActorWorker")
+            add("p.to('cpu', non_blocking=True)+sync", "d2h",
+                _time(lambda: [p.to("cpu", non_blocking=True) for p in values], device, repeats))
+        else:
+            add("seed: p.cpu().clone()", "d2h", _time(lambda: [p.cpu().clone() for p in values], device, repeats),
+                "on the CPU .cpu() is a no-op: one clone per tensor")
+        host = [torch.empty_like(p, device="cpu", pin_memory=pinned) for p in values]
+        add("preallocated per-tensor copy_", "d2h",
+            _time(lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, values)], device, repeats),
+            "pinned" if pinned else "")
+        add("preallocated per-tensor copy_ back", "h2d",
+            _time(lambda: [p.copy_(h, non_blocking=True) for h, p in zip(host, values)], device, repeats),
+            "pinned" if pinned else "")
+    result.info["limits_gbps"] = limits
+    return result
+
+
+def default_scale(layout_name: str, device: torch.device) -> int:
+    """How much to shrink a layout on this device: on the CPU, to roughly 100-250 MB per layout."""
+    if device.type == "cuda":
+        return 1
+    return {"qwen1.5b": 16, "qwen7b": 64, "small64k": 4, "tiny4k": 2, "mixed": 16}.get(layout_name, 1)

@@ -1,0 +1,63 @@
+"""The cached copy plan: reused while the target is unchanged, rebuilt when it changes."""
+
+from __future__ import annotations
+
+import torch
+
+import gpu_offload as go
+from gpu_offload import plan
+
+
+def _hits() -> int:
+    return plan.cache_info()["hits"]
+
+
+def test_plan_is_reused_and_rebuilt_on_change(arena):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    go.snapshot(model, arena=arena).free()
+    hits = _hits()
+    snap = go.snapshot(model, arena=arena)
+    assert _hits() == hits + 1  # same tensors at the same addresses: cached
+
+    # A parameter replaced by a new one of the same shape: a new plan, and the restore goes into it.
+    new_weight = torch.nn.Parameter(torch.zeros(4, 4))
+    model[0].weight = new_weight
+    hits = _hits()
+    go.restore(model, snap)
+    assert _hits() == hits
+    assert torch.equal(new_weight, snap.tensors()["0.weight"])
+
+    # In-place .data swap to another shape: the layout differs and restore says so.
+    model[1].weight.data = torch.zeros(3, 4)
+    try:
+        go.restore(model, snap)
+        raise AssertionError("expected a LayoutMismatchError")
+    except go.LayoutMismatchError as exc:
+        assert "1.weight: shape" in str(exc)
+
+
+def test_plan_follows_storages_that_moved_after_reload(arena):
+    state = {"a": torch.randn(1000), "b": torch.randn(10)}
+    expected = {k: v.clone() for k, v in state.items()}
+    snap = go.snapshot(state, arena=arena)
+    go.offload(state, arena=arena)
+    keep = torch.randn(1000)  # likely takes the freed addresses
+    go.reload(state)
+    for v in state.values():
+        v.zero_()
+    go.restore(state, snap)  # must write where the storages are now
+    for k in state:
+        assert torch.equal(state[k], expected[k])
+    del keep
+
+
+def test_cache_holds_no_tensors_alive(arena):
+    import gc
+    import weakref
+
+    t = torch.randn(100)
+    ref = weakref.ref(t)
+    go.snapshot({"t": t}, arena=arena).free()
+    del t
+    gc.collect()
+    assert ref() is None
