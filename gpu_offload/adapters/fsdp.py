@@ -314,11 +314,15 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
     elif is_fsdp2(module) and not is_fsdp1(module):
         params: dict[str, Any] = {}
         world, rank = 1, 0
-        by_param = {id(fp.sharded_param): fp for _, _, g in _fsdp2_groups(module) for fp in g.fsdp_params}
-        for name, p in module.named_parameters():
-            fp = by_param.get(id(p))
-            if fp is None:
-                continue
+        # Named through the owning module rather than named_parameters(): that would show an unsharded
+        # root's plain tensors, and this function must not reshard (it only reads).
+        paths = {id(m): n for n, m in module.named_modules()}
+        for _, _, group in _fsdp2_groups(module):
+            for fp in group.fsdp_params:
+                info_ = fp._module_info
+                path = paths.get(id(info_.module), "?")
+                params[f"{path}.{info_.param_name}" if path else info_.param_name] = fp
+        for name, fp in list(params.items()):
             mesh = fp.mesh_info.mesh
             world, rank = mesh.size(), mesh.get_rank()
             params[name] = {

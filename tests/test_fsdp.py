@@ -1,0 +1,226 @@
+"""FSDP1 and FSDP2 targets on gloo (CPU): each rank snapshots/offloads only its own shards, and training
+after a round trip is bitwise identical to an untouched twin.
+
+World size 1 runs in this process (FSDP1 then uses NO_SHARD); world size 2 spawns two ranks (FULL_SHARD).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gpu_offload as go
+from gpu_offload.adapters import fsdp as fsdp_adapter
+from helpers_dist import DecoderLayer, batch, build_qwen2, lm_loss, param_bytes, run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+KINDS = ["fsdp1", "fsdp1_orig_params", "fsdp2"]
+
+
+def _wrap(model: nn.Module, kind: str, world_size: int) -> nn.Module:
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # Decoder layers are their own units; the root keeps the tied embedding / lm_head and the norm.
+    return FSDP(
+        model,
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({DecoderLayer}),
+        use_orig_params=kind == "fsdp1_orig_params",
+    )
+
+
+def _make(kind: str, world_size: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _wrap(build_qwen2(seed=seed), kind, world_size)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> torch.Tensor:
+    ids = batch(step, rank)
+    loss = lm_loss(model(ids), ids)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _probe(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batch(999, 0)).clone()
+
+
+def _full_params(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (a collective: every rank calls it)."""
+    if kind == "fsdp2":
+        # The root stays unsharded after a no_grad forward: its parameters are plain tensors then.
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: _local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def _named(model: nn.Module, kind: str, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
+    fn = fsdp_adapter.fsdp2_named_tensors if kind == "fsdp2" else fsdp_adapter.fsdp1_named_tensors
+    return fn(model, include_grads=include_grads)
+
+
+def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
+    """Everything one rank checks; returns byte counts for cross-rank checks in the parent."""
+    a, oa = _make(kind, world_size)
+    b, ob = _make(kind, world_size)
+    assert fsdp_adapter.is_fsdp2(a) == (kind == "fsdp2") and fsdp_adapter.is_fsdp1(a) == (kind != "fsdp2")
+
+    # Offload before FSDP's lazy init (the flat parameter itself is the shard then), and back.
+    go.offload(a)
+    assert go.is_offloaded(a)
+    assert all(t.untyped_storage().nbytes() == 0 for _, t in _named(a, kind, False))
+    go.reload(a)
+    assert not go.is_offloaded(a)
+
+    losses_a = [_step(a, oa, i, rank) for i in range(2)]
+    losses_b = [_step(b, ob, i, rank) for i in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(losses_a, losses_b))
+
+    # Per-rank size: this rank's shards plus the replicated buffers, not the whole model.
+    snap = go.snapshot(a)
+    buffer_bytes = sum(t.numel() * t.element_size() for _, t in a.named_buffers())
+    shard_bytes = snap.nbytes - buffer_bytes
+    full = param_bytes(build_qwen2())
+    assert full // world_size <= shard_bytes, (shard_bytes, full)
+    assert shard_bytes <= full // world_size + 1024, (shard_bytes, full)  # padding: < 1 row per param/unit
+    snap.free()
+
+    # Gradients: offload with include_grads between backward and step, then the step must match the twin.
+    for m in (a, b):
+        ids = batch(10, rank)
+        lm_loss(m(ids), ids).backward()
+    grads_before = _grads(a)
+    assert grads_before, "backward produced no gradients"
+    go.offload([a, oa], include_grads=True)
+    assert all(t.untyped_storage().nbytes() == 0 for _, t in _named(a, kind, True))
+    go.reload([a, oa])
+    _assert_same(_grads(a), grads_before, "grads after reload")
+    _assert_same(_grads(a), _grads(b), "grads vs twin")
+    for opt in (oa, ob):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # A no_grad forward leaves the root unit unsharded; offload must still release (and restore) it all.
+    _probe(a), _probe(b)
+    go.offload([a, oa])
+    go.reload([a, oa])
+    for i in range(2, 4):
+        assert torch.equal(_step(a, oa, i, rank), _step(b, ob, i, rank)), f"loss at step {i}"
+
+    # MIS pattern: save v1, train to v2, save v2, restore v1, compute, restore v2, compute, keep training.
+    v1 = go.snapshot([a, oa])
+    ref_v1 = _probe(a)
+    replay = [_step(a, oa, i, rank) for i in range(4, 6)]
+    for i in range(4, 6):
+        _step(b, ob, i, rank)
+    ref_v2 = _probe(a)
+    v2 = go.snapshot([a, oa])
+    go.restore([a, oa], v1)
+    assert torch.equal(_probe(a), ref_v1), "restored v1 computes like v1"
+    assert not torch.equal(ref_v1, ref_v2)
+    go.restore([a, oa], v2)
+    assert torch.equal(_probe(a), ref_v2), "restored v2 computes like v2"
+    # Completeness: from v1 the same steps replay to the same losses.
+    go.restore([a, oa], v1)
+    assert all(torch.equal(_step(a, oa, i, rank), x) for i, x in zip(range(4, 6), replay)), "replay from v1"
+    go.restore([a, oa], v2)
+    for i in range(6, 8):
+        assert torch.equal(_step(a, oa, i, rank), _step(b, ob, i, rank)), f"loss at step {i} after MIS"
+    v1.free()
+    v2.free()
+
+    # A freshly built twin (other init) takes a snapshot by names and then computes like the original.
+    c, _ = _make(kind, world_size, seed=1)
+    assert not torch.equal(_probe(c), _probe(a))
+    snap = go.snapshot(a)
+    go.restore(c, snap)
+    assert torch.equal(_probe(c), _probe(a))
+    snap.free()
+
+    if kind != "fsdp2" and world_size > 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(a):
+            with pytest.raises(go.OffloadError, match="summon_full_params|forward"):
+                go.snapshot(a)
+
+    _assert_same(_full_params(a, kind), _full_params(b, kind), "full parameters")
+    info = fsdp_adapter.fsdp_shard_info(a)
+    assert info["world_size"] == world_size and info["rank"] == rank
+    assert info == fsdp_adapter.fsdp_shard_info(b)
+    return {"shard_bytes": shard_bytes, "full": full}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_rank(kind: str) -> None:
+    (result,) = run_ranks(_check_rank, 1, kind)
+    assert result["shard_bytes"] == result["full"]  # one rank holds everything (FSDP1: NO_SHARD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks(kind: str) -> None:
+    results = run_ranks(_check_rank, 2, kind)
+    # Every rank holds an equal padded shard: about half the model each.
+    assert results[0]["shard_bytes"] == results[1]["shard_bytes"]
+    assert results[0]["shard_bytes"] < 0.6 * results[0]["full"]
+
+
+def _check_mixed(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_qwen2()
+    model.model.layers[0] = FSDP(model.model.layers[0], device_id=torch.device("cpu"))
+    fully_shard(model.model.layers[1])
+    with pytest.raises(go.OffloadError, match="mixes"):
+        go.snapshot(model)
+    with pytest.raises(go.OffloadError):
+        fsdp_adapter.fsdp_shard_info(model)
+
+
+def test_mixed_fsdp1_and_fsdp2_is_rejected() -> None:
+    run_ranks(_check_mixed, 1)
+
+
+def test_plain_module_is_not_fsdp() -> None:
+    model = build_qwen2()
+    assert not fsdp_adapter.is_fsdp1(model) and not fsdp_adapter.is_fsdp2(model)
+    with pytest.raises(go.OffloadError):
+        fsdp_adapter.fsdp1_named_tensors(model, include_grads=False)
+    with pytest.raises(go.OffloadError):
+        fsdp_adapter.fsdp2_named_tensors(model, include_grads=False)
