@@ -61,17 +61,6 @@ def _resolve_live(target: Any, include_grads: bool, op: str) -> _plan.Resolved:
     return resolved
 
 
-def _check_sizes(resolved: _plan.Resolved) -> None:
-    """On a cache hit, re-reads storage sizes before writing into them (a storage freed and re-allocated at
-    the same address with another size must not be overrun)."""
-    if resolved.hit:
-        for spec, storage in zip(resolved.layout.storages, resolved.storages()):
-            if storage.nbytes() != spec.nbytes:
-                _plan.clear_cache()
-                raise OffloadError(f"{spec.name}: storage changed size ({storage.nbytes()} bytes, was {spec.nbytes}) "
-                                   "during the call; retry")
-
-
 def _empty_cache(devices: list[torch.device]) -> None:
     if any(d.type == "cuda" for d in devices) and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -125,7 +114,6 @@ def restore(target: Any, snap: Snapshot) -> None:
     resolved = _resolve_live(target, snap.layout.has_grads, "restore")
     layout = resolved.layout
     mapping = match(snap.layout, layout)
-    _check_sizes(resolved)
     plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
     # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
     events = plans.run(False, region.ptr, waits=snap._pending())
@@ -149,7 +137,6 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
     arena = arena if arena is not None else default_arena()
     with _registry_lock:
         resolved = _resolve_live(target, include_grads, "offload")
-        _check_sizes(resolved)
         layout = resolved.layout
         storages = resolved.storages()
         for spec, storage in zip(layout.storages, storages):

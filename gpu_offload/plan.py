@@ -79,6 +79,7 @@ class TargetPlan:
         self.ptrs = ptrs
         self.layout: Layout = bound.layout
         self.keys = bound.keys
+        self.storage_nbytes = [s.nbytes() for s in bound.storages]
         self.storage_ptrs = [s.data_ptr() for s in bound.storages]
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
@@ -111,10 +112,11 @@ class TargetPlan:
 class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
-    def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], bound: Optional[Bound], hit: bool) -> None:
+    def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
+                 hit: bool) -> None:
         self.plan = plan
         self.tensors = tensors
-        self._bound = bound
+        self._storages = storages
         self.hit = hit
 
     @property
@@ -122,15 +124,20 @@ class Resolved:
         return self.plan.layout
 
     def storages(self) -> list[torch.UntypedStorage]:
-        if self._bound is not None:
-            return self._bound.storages
-        firsts = [self.tensors[i] for i in self.plan.first_tensor]
-        try:
-            return list(map(torch.Tensor.untyped_storage, firsts))
-        except Exception:  # wrapper subclasses (DTensor): their local shards hold the storage
-            from .storages import unwrap
+        if self._storages is None:
+            self._storages = _first_storages(self.plan, self.tensors)
+        return self._storages
 
-            return [unwrap(t).untyped_storage() for t in firsts]
+
+def _first_storages(plan: TargetPlan, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The live storage of each planned storage, reached through the first tensor that views it."""
+    firsts = [tensors[i] for i in plan.first_tensor]
+    try:
+        return list(map(torch.Tensor.untyped_storage, firsts))
+    except Exception:  # wrapper subclasses (DTensor): their local shards hold the storage
+        from .storages import unwrap
+
+        return [unwrap(t).untyped_storage() for t in firsts]
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
@@ -166,8 +173,13 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                 _cache.move_to_end(key)
         if (plan is not None and ptrs is not None and plan.ptrs == ptrs and plan.names == names
                 and all(r() is t for r, t in zip(plan.refs, tensors))):
-            _stats["hits"] += 1
-            return Resolved(plan, tensors, None, True)
+            # Same tensors at the same addresses; the storages must be the same ones with the same sizes
+            # too (memory freed and re-allocated at the same address with another size is not the same).
+            storages = _first_storages(plan, tensors)
+            if ([s._cdata for s in storages] == plan.keys
+                    and list(map(torch.UntypedStorage.nbytes, storages)) == plan.storage_nbytes):
+                _stats["hits"] += 1
+                return Resolved(plan, tensors, storages, True)
     bound = bind(named, nbytes_of)
     _stats["misses"] += 1
     plan = TargetPlan(names, tensors, _tensor_ptrs(tensors) or [], bound)
@@ -177,7 +189,7 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
             _cache[tuple(map(id, tensors))] = plan
             while len(_cache) > _MAX_CACHED:
                 _cache.popitem(last=False)
-    return Resolved(plan, tensors, bound, False)
+    return Resolved(plan, tensors, bound.storages, False)
 
 
 def cache_info() -> dict[str, int]:
