@@ -10,7 +10,7 @@ SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -n
 PYTEST_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup build test test-cpp test-py bench clean
+.PHONY: setup build test test-cpp test-py bench clean nocuda-check
 
 setup: $(STAMP)
 
@@ -36,6 +36,17 @@ test: test-cpp test-py
 
 bench: setup
 	$(PY) -m gpu_offload bench
+
+# The same sources built with GPU_OFFLOAD_CUDA=0 (no nvcc involved): C++ tests, then the engine tests run
+# against that module from a scratch copy of the package.
+NOCUDA_DIR := build/nocuda
+nocuda-check: setup
+	GPU_OFFLOAD_CUDA=0 GPU_OFFLOAD_BUILD_DIR=$(NOCUDA_DIR)/cmake $(PY) setup.py -q build_ext --build-lib $(NOCUDA_DIR)/lib
+	ctest --test-dir $(NOCUDA_DIR)/cmake --output-on-failure
+	rm -rf $(NOCUDA_DIR)/pkg && mkdir -p $(NOCUDA_DIR)/pkg && cp -r gpu_offload $(NOCUDA_DIR)/pkg/ \
+	  && rm -f $(NOCUDA_DIR)/pkg/gpu_offload/_C*.so && cp $(NOCUDA_DIR)/lib/gpu_offload/_C*.so $(NOCUDA_DIR)/pkg/gpu_offload/
+	cd tests && PYTHONPATH=$(CURDIR)/$(NOCUDA_DIR)/pkg GPU_OFFLOAD_EXPECT_CUDA_BUILD=0 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider \
+	  --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml test_build.py test_roundtrip.py test_errors.py test_arena.py
 
 clean:
 	rm -rf build *.egg-info gpu_offload/_C*.so
