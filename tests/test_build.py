@@ -47,3 +47,26 @@ def test_import_works_without_touching_cuda():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_forked_child_copies_without_the_parents_threads():
+    # The host path splits large copies over a thread pool; a fork()ed child has none of its workers (and
+    # may inherit its locks in any state), so the pool runs jobs serially there. This checks the child's
+    # copy completes and is right; it does not force the unlucky fork timing. (The child avoids torch's
+    # own parallel ops: OpenMP is not fork-safe.)
+    code = (
+        "import os, torch, gpu_offload as go\n"
+        "a = go.Arena(pin='none')\n"
+        "state = {'x': torch.arange(8 << 20, dtype=torch.float32)}\n"
+        "go.snapshot(state, arena=a).free()\n"  # the pool is running in the parent now
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    s = go.snapshot(state, arena=a)\n"
+        "    ok = s.tensors()['x'][::1 << 20].tolist() == [float(i) for i in range(0, 8 << 20, 1 << 20)]\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"

@@ -1,5 +1,7 @@
 #include "thread_pool.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -17,11 +19,17 @@ ThreadPool& ThreadPool::instance() {
   return pool;
 }
 
-ThreadPool::ThreadPool(std::size_t num_workers) {
+ThreadPool::ThreadPool(std::size_t num_workers) : owner_pid_(static_cast<int>(getpid())) {
   for (std::size_t i = 0; i < num_workers; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
+  if (static_cast<int>(getpid()) != owner_pid_) {
+    // A forked child: the workers exist only in the parent. Joining or detaching them here would fail,
+    // and destroying a joinable std::thread terminates, so their handles are deliberately leaked.
+    for (auto& t : workers_) new std::thread(std::move(t));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -55,7 +63,7 @@ void ThreadPool::worker_loop() {
 
 void ThreadPool::parallel_for(std::size_t n, const std::function<void(std::size_t)>& fn) {
   if (n == 0) return;
-  if (n == 1 || workers_.empty()) {
+  if (n == 1 || workers_.empty() || static_cast<int>(getpid()) != owner_pid_) {
     for (std::size_t i = 0; i < n; ++i) fn(i);
     return;
   }

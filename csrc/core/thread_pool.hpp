@@ -32,6 +32,7 @@ class ThreadPool {
   std::size_t job_size_ = 0, next_ = 0, pending_ = 0, generation_ = 0;
   std::exception_ptr error_;
   bool stop_ = false;
+  int owner_pid_;  // a forked child has none of the workers: it runs jobs on the calling thread
 };
 
 }  // namespace gpu_offload
