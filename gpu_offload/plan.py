@@ -11,6 +11,7 @@ The cache holds no strong reference to tensors or storages: dropping a model dro
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -67,7 +68,19 @@ def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyP
     if any(idx >= 0 for idx in by_device) and not _C.cuda_compiled():
         raise OffloadError("the target has CUDA tensors but gpu_offload was built without CUDA; "
                            "reinstall with nvcc available (GPU_OFFLOAD_CUDA=1)")
-    return CopyPlans([(idx, _C.CopyPlan(idx, *arrays)) for idx, arrays in sorted(by_device.items())])
+    gather = gather_max_bytes()
+    return CopyPlans([(idx, _C.CopyPlan(idx, *arrays, gather)) for idx, arrays in sorted(by_device.items())])
+
+
+def gather_max_bytes() -> int:
+    """Storages up to this size go through the gather/scatter kernel instead of the copy engines (CUDA,
+    pinned arena only). GPU_OFFLOAD_GATHER_MAX_BYTES; 0 (the default until it is tuned on a GPU) keeps
+    every copy on the copy engines."""
+    value = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES", "0")
+    try:
+        return max(0, int(float(value)))
+    except ValueError:
+        raise OffloadError(f"GPU_OFFLOAD_GATHER_MAX_BYTES={value!r} is not a number of bytes") from None
 
 
 class TargetPlan:

@@ -16,8 +16,12 @@ constexpr std::size_t kParallelMinBytes = 4u << 20;
 }  // namespace
 
 CopyPlan::CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vector<std::size_t> host_offsets,
-                   std::vector<std::size_t> sizes)
-    : device_(device), device_ptrs_(std::move(device_ptrs)), host_offsets_(std::move(host_offsets)), sizes_(std::move(sizes)) {
+                   std::vector<std::size_t> sizes, std::size_t gather_max_bytes)
+    : device_(device),
+      device_ptrs_(std::move(device_ptrs)),
+      host_offsets_(std::move(host_offsets)),
+      sizes_(std::move(sizes)),
+      gather_max_bytes_(device >= 0 ? gather_max_bytes : 0) {
   GO_CHECK(device_ptrs_.size() == sizes_.size() && host_offsets_.size() == sizes_.size(),
            "plan arrays differ in length: " + std::to_string(device_ptrs_.size()) + " pointers, " +
                std::to_string(host_offsets_.size()) + " offsets, " + std::to_string(sizes_.size()) + " sizes");
@@ -26,6 +30,7 @@ CopyPlan::CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vec
     GO_CHECK(sizes_[i] == 0 || device_ptrs_[i] != 0, "null storage pointer for copy " + std::to_string(i));
     total_bytes_ += sizes_[i];
     host_extent_bytes_ = std::max(host_extent_bytes_, host_offsets_[i] + sizes_[i]);
+    if (sizes_[i] != 0 && sizes_[i] <= gather_max_bytes_) ++num_kernel_copies_;
   }
 }
 
@@ -78,23 +83,26 @@ cuda::EventPtr CopyPlan::run(Direction direction, std::uintptr_t host_base, std:
     run_host(direction, host_base);
     return nullptr;
   }
-  // The batch API wants plain arrays; zero-byte storages are dropped (nothing to move).
-  std::vector<void*> dst;
-  std::vector<const void*> src;
-  std::vector<std::size_t> sizes;
-  dst.reserve(sizes_.size());
-  src.reserve(sizes_.size());
-  sizes.reserve(sizes_.size());
+  // The kernel reaches host memory through its mapped address: only a pinned, mapped region qualifies.
+  const bool use_kernel = num_kernel_copies_ != 0 && cuda::is_mapped_host(host_base);
+  cuda::Batch batch;
+  batch.to_host = direction == Direction::kToHost;
+  batch.host_base = host_base;
+  batch.engine.dst.reserve(sizes_.size());
+  batch.engine.src.reserve(sizes_.size());
+  batch.engine.sizes.reserve(sizes_.size());
   for (std::size_t i = 0; i < sizes_.size(); ++i) {
-    if (sizes_[i] == 0) continue;
+    if (sizes_[i] == 0) continue;  // nothing to move
     auto* host = reinterpret_cast<void*>(host_base + host_offsets_[i]);
     auto* dev = reinterpret_cast<void*>(device_ptrs_[i]);
-    dst.push_back(direction == Direction::kToHost ? host : dev);
-    src.push_back(direction == Direction::kToHost ? dev : host);
-    sizes.push_back(sizes_[i]);
+    cuda::CopyList& list = use_kernel && sizes_[i] <= gather_max_bytes_ ? batch.kernel : batch.engine;
+    if (batch.to_host) {
+      list.push(host, dev, sizes_[i]);
+    } else {
+      list.push(dev, host, sizes_[i]);
+    }
   }
-  return cuda::copy_batch(device_, direction == Direction::kToHost, dst.data(), src.data(), sizes.data(),
-                          sizes.size(), stream, waits, stream_waits);
+  return cuda::copy_batch(device_, batch, stream, waits, stream_waits);
 }
 
 }  // namespace gpu_offload

@@ -16,11 +16,15 @@ enum class Direction { kToHost, kToDevice };
 
 class CopyPlan {
  public:
+  // Storages of at most gather_max_bytes go through the gather/scatter kernel when the host region is
+  // pinned and mapped; the rest through the copy engines. 0 sends everything to the copy engines.
   CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vector<std::size_t> host_offsets,
-           std::vector<std::size_t> sizes);
+           std::vector<std::size_t> sizes, std::size_t gather_max_bytes = 0);
 
   int device() const { return device_; }
   std::size_t num_copies() const { return sizes_.size(); }
+  std::size_t num_kernel_copies() const { return num_kernel_copies_; }
+  std::size_t gather_max_bytes() const { return gather_max_bytes_; }
   std::size_t total_bytes() const { return total_bytes_; }
   // One past the last host byte a run touches, relative to host_base: the region must be at least this.
   std::size_t host_extent_bytes() const { return host_extent_bytes_; }
@@ -40,6 +44,8 @@ class CopyPlan {
   std::vector<std::size_t> sizes_;
   std::size_t total_bytes_ = 0;
   std::size_t host_extent_bytes_ = 0;
+  std::size_t gather_max_bytes_ = 0;
+  std::size_t num_kernel_copies_ = 0;
 };
 
 // Copies n (dst, src, size) triples on the host, split into byte-balanced shards over the thread pool.

@@ -1,6 +1,7 @@
 // CUDA implementation of cuda_backend.hpp: streams per device and direction, batched async copies, events.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <string>
@@ -46,8 +47,10 @@ class DeviceGuard {
 // Created on first use; never destroyed (they live as long as the process, like torch's pool streams).
 struct DeviceStreams {
   std::once_flag once;
-  std::array<cudaStream_t, 2> streams{};
-  std::array<std::mutex, 2> locks;  // one batch at a time per stream keeps the enqueue order simple
+  std::array<cudaStream_t, 2> streams{};         // copy engines, per direction
+  std::array<cudaStream_t, 2> kernel_streams{};  // gather/scatter kernels, per direction
+  std::array<std::mutex, 2> locks;  // one batch at a time per direction keeps the enqueue order simple
+  int num_sms = 0;
 };
 std::array<DeviceStreams, kMaxDevices> g_streams;
 
@@ -59,26 +62,102 @@ cudaStream_t engine_stream(int device, bool to_host) {
     int least = 0, greatest = 0;
     GO_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     for (auto& s : ds.streams) GO_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least));
+    for (auto& s : ds.kernel_streams) GO_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least));
+    GO_CUDA_CHECK(cudaDeviceGetAttribute(&ds.num_sms, cudaDevAttrMultiProcessorCount, device));
   });
   return ds.streams[to_host ? 0 : 1];
 }
 
-void enqueue_copies(void* const* dst, const void* const* src, const std::size_t* sizes, std::size_t n,
-                    bool to_host, cudaStream_t stream) {
+// One piece of a gather/scatter: at most kChunkBytes, so a large tensor spreads over many blocks.
+struct Chunk {
+  const unsigned char* src;
+  unsigned char* dst;
+  unsigned long long num_bytes;
+};
+constexpr std::size_t kChunkBytes = 64 * 1024;
+constexpr int kGatherThreads = 256;
+
+// Copies each chunk with 16-byte accesses where both ends are 16-byte aligned, bytes elsewhere. Through
+// mapped pinned memory every access crosses the link, so wide accesses are what reach the limit.
+__global__ void gather_chunks(const Chunk* __restrict__ chunks, unsigned long long num_chunks) {
+  for (unsigned long long c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    unsigned long long done = 0;
+    if (((reinterpret_cast<std::uintptr_t>(ch.src) | reinterpret_cast<std::uintptr_t>(ch.dst)) & 15) == 0) {
+      const unsigned long long n16 = ch.num_bytes / 16;
+      const uint4* src = reinterpret_cast<const uint4*>(ch.src);
+      uint4* dst = reinterpret_cast<uint4*>(ch.dst);
+      for (unsigned long long i = threadIdx.x; i < n16; i += blockDim.x) dst[i] = src[i];
+      done = n16 * 16;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < ch.num_bytes; i += blockDim.x) ch.dst[i] = ch.src[i];
+  }
+}
+
+// Enqueues one gather kernel for the list on `stream`. Host addresses are translated to the region's
+// mapped device address; the chunk table lives in stream-ordered device memory freed after the kernel.
+void enqueue_kernel_copies(const Batch& batch, cudaStream_t stream, int num_sms) {
+  unsigned char* host_dev = nullptr;
+  GO_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), reinterpret_cast<void*>(batch.host_base), 0));
+  const auto translate = [&](const void* host) {
+    return host_dev + (reinterpret_cast<std::uintptr_t>(host) - batch.host_base);
+  };
+  std::vector<Chunk> chunks;
+  chunks.reserve(batch.kernel.size());
+  for (std::size_t i = 0; i < batch.kernel.size(); ++i) {
+    const auto* src = static_cast<const unsigned char*>(batch.to_host ? batch.kernel.src[i] : translate(batch.kernel.src[i]));
+    auto* dst = static_cast<unsigned char*>(batch.to_host ? translate(batch.kernel.dst[i])
+                                                          : batch.kernel.dst[i]);
+    for (std::size_t off = 0; off < batch.kernel.sizes[i]; off += kChunkBytes) {
+      chunks.push_back({src + off, dst + off, std::min(kChunkBytes, batch.kernel.sizes[i] - off)});
+    }
+  }
+  if (chunks.empty()) return;
+  const std::size_t table_bytes = chunks.size() * sizeof(Chunk);
+  Chunk* table = nullptr;
+  GO_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&table), table_bytes, stream));
+  // From pageable memory: the call returns once the table has been staged, so `chunks` may go.
+  GO_CUDA_CHECK(cudaMemcpyAsync(table, chunks.data(), table_bytes, cudaMemcpyHostToDevice, stream));
+  const unsigned long long blocks = std::min<unsigned long long>(chunks.size(), 4ull * std::max(num_sms, 1));
+  gather_chunks<<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(table, chunks.size());
+  GO_CUDA_CHECK(cudaGetLastError());
+  GO_CUDA_CHECK(cudaFreeAsync(table, stream));
+}
+
+void enqueue_engine_copies(const CopyList& list, bool to_host, cudaStream_t stream) {
   const cudaMemcpyKind kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  const std::size_t n = list.size();
   if (n > 1) {
-    // One call for the whole batch: the driver packs the descriptors, which is what makes many small
-    // copies cheap on the host side. Falls back to a loop where the driver does not support it.
+    // One call for the whole batch: the driver packs the descriptors, which is what makes many copies
+    // cheap on the host side. Falls back to a loop where the driver does not support it.
     cudaMemcpyAttributes attrs = {};
     attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     std::size_t attrs_index = 0;
-    cudaError_t status = cudaMemcpyBatchAsync(dst, src, sizes, n, &attrs, &attrs_index, 1, stream);
+    cudaError_t status = cudaMemcpyBatchAsync(list.dst.data(), list.src.data(), list.sizes.data(), n, &attrs,
+                                              &attrs_index, 1, stream);
     if (status == cudaSuccess) return;
     (void)cudaGetLastError();
   }
   for (std::size_t i = 0; i < n; ++i) {
-    if (sizes[i] != 0) GO_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], sizes[i], kind, stream));
+    if (list.sizes[i] != 0) GO_CUDA_CHECK(cudaMemcpyAsync(list.dst[i], list.src[i], list.sizes[i], kind, stream));
   }
+}
+
+// An event recorded on `stream`, to be waited on by another stream (then dropped: waits already enqueued
+// hold on to what they need).
+cudaEvent_t record(cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  GO_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  cudaError_t status = cudaEventRecord(event, stream);
+  if (status != cudaSuccess) cudaEventDestroy(event);
+  GO_CUDA_CHECK(status);
+  return event;
+}
+
+void wait_and_drop(cudaStream_t waiter, cudaEvent_t event) {
+  cudaError_t status = cudaStreamWaitEvent(waiter, event, 0);
+  cudaEventDestroy(event);
+  GO_CUDA_CHECK(status);
 }
 
 }  // namespace
@@ -147,26 +226,40 @@ bool Event::query() const {
 
 void Event::synchronize() const { GO_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_))); }
 
-EventPtr copy_batch(int device, bool to_host, void* const* dst, const void* const* src,
-                    const std::size_t* sizes, std::size_t n, std::uintptr_t user_stream,
-                    const std::vector<EventPtr>& waits, bool user_waits) {
+bool is_mapped_host(std::uintptr_t host_base) {
+  cudaPointerAttributes attrs = {};
+  if (cudaPointerGetAttributes(&attrs, reinterpret_cast<void*>(host_base)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attrs.type == cudaMemoryTypeHost && attrs.devicePointer != nullptr;
+}
+
+EventPtr copy_batch(int device, const Batch& batch, std::uintptr_t user_stream, const std::vector<EventPtr>& waits,
+                    bool user_waits) {
   DeviceGuard guard(device);
-  cudaStream_t stream = engine_stream(device, to_host);
-  std::lock_guard<std::mutex> lock(g_streams[device].locks[to_host ? 0 : 1]);
+  cudaStream_t stream = engine_stream(device, batch.to_host);
+  DeviceStreams& ds = g_streams[device];
+  const int dir = batch.to_host ? 0 : 1;
+  std::lock_guard<std::mutex> lock(ds.locks[dir]);
   auto user = reinterpret_cast<cudaStream_t>(user_stream);
 
-  // Stream order: the copy starts after everything already enqueued on the caller's stream.
-  cudaEvent_t ready = nullptr;
-  GO_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  cudaError_t status = cudaEventRecord(ready, user);
-  if (status == cudaSuccess) status = cudaStreamWaitEvent(stream, ready, 0);
-  cudaEventDestroy(ready);
-  GO_CUDA_CHECK(status);
+  // Stream order: the batch starts after everything already enqueued on the caller's stream and after
+  // the given events (e.g. the snapshot a restore reads).
+  wait_and_drop(stream, record(user));
   for (const EventPtr& w : waits) {
     if (w) GO_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(w->handle()), 0));
   }
-
-  enqueue_copies(dst, src, sizes, n, to_host, stream);
+  if (batch.kernel.size() != 0) {
+    // Fork: the kernel runs on its own stream beside the copy engines; join before `done`.
+    cudaStream_t kernel_stream = ds.kernel_streams[dir];
+    wait_and_drop(kernel_stream, record(stream));
+    enqueue_kernel_copies(batch, kernel_stream, ds.num_sms);
+    enqueue_engine_copies(batch.engine, batch.to_host, stream);
+    wait_and_drop(stream, record(kernel_stream));
+  } else {
+    enqueue_engine_copies(batch.engine, batch.to_host, stream);
+  }
 
   cudaEvent_t done = nullptr;
   GO_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));

@@ -43,11 +43,36 @@ class Event {
 };
 using EventPtr = std::shared_ptr<Event>;
 
-// Enqueues n copies on the engine's stream for this device and direction, ordered after the work already
-// on user_stream and after every event in waits. When user_waits is set, user_stream waits (on the GPU)
-// for the batch, so later work on it cannot overwrite what the copy still reads.
-EventPtr copy_batch(int device, bool to_host, void* const* dst, const void* const* src,
-                    const std::size_t* sizes, std::size_t n, std::uintptr_t user_stream,
-                    const std::vector<EventPtr>& waits, bool user_waits);
+// One batch of copies between device memory and one host region. Copies in `engine` go through the copy
+// engines (cudaMemcpyBatchAsync); copies in `kernel` are done by one gather/scatter kernel launch that
+// reads or writes the region through its mapped device address (it must be pinned and mapped), which is
+// what keeps many small tensors near the link limit. Both run at once, on two streams.
+struct CopyList {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<std::size_t> sizes;
+  void push(void* d, const void* s, std::size_t n) {
+    dst.push_back(d);
+    src.push_back(s);
+    sizes.push_back(n);
+  }
+  std::size_t size() const { return sizes.size(); }
+};
+
+struct Batch {
+  bool to_host = true;
+  std::uintptr_t host_base = 0;  // the host region every host address lies in
+  CopyList engine;
+  CopyList kernel;
+};
+
+// Enqueues the batch for `device`, ordered after the work already enqueued on user_stream and after every
+// event in waits. When user_waits is set, user_stream waits (on the GPU) for the whole batch, so later
+// work on it cannot overwrite what the copy still reads.
+EventPtr copy_batch(int device, const Batch& batch, std::uintptr_t user_stream, const std::vector<EventPtr>& waits,
+                    bool user_waits);
+
+// True when host_base lies in page-locked memory mapped into the device address space.
+bool is_mapped_host(std::uintptr_t host_base);
 
 }  // namespace gpu_offload::cuda

@@ -19,9 +19,10 @@ Event::~Event() = default;
 bool Event::query() const { return true; }
 void Event::synchronize() const {}
 
-EventPtr copy_batch(int, bool, void* const*, const void* const*, const std::size_t*, std::size_t,
-                    std::uintptr_t, const std::vector<EventPtr>&, bool) {
+EventPtr copy_batch(int, const Batch&, std::uintptr_t, const std::vector<EventPtr>&, bool) {
   GO_FAIL("gpu_offload was built without CUDA: rebuild with GPU_OFFLOAD_CUDA=1 to copy device memory");
 }
+
+bool is_mapped_host(std::uintptr_t) { return false; }
 
 }  // namespace gpu_offload::cuda
