@@ -92,8 +92,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ARENA_ALIGNMENT") = HostArena::kAlignment;
 
   py::class_<CopyPlan>(m, "CopyPlan")
-      .def(py::init<int, std::vector<std::uintptr_t>, std::vector<std::size_t>, std::vector<std::size_t>>(),
-           py::arg("device"), py::arg("device_ptrs"), py::arg("host_offsets"), py::arg("sizes"))
+      .def(py::init<int, std::vector<std::uintptr_t>, std::vector<std::size_t>, std::vector<std::size_t>, std::size_t>(),
+           py::arg("device"), py::arg("device_ptrs"), py::arg("host_offsets"), py::arg("sizes"),
+           py::arg("gather_max_bytes") = 0)
+      .def_property_readonly("num_kernel_copies", &CopyPlan::num_kernel_copies)
+      .def_property_readonly("gather_max_bytes", &CopyPlan::gather_max_bytes)
       .def_property_readonly("device", &CopyPlan::device)
       .def_property_readonly("num_copies", &CopyPlan::num_copies)
       .def_property_readonly("total_bytes", &CopyPlan::total_bytes)
