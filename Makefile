@@ -10,7 +10,7 @@ SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -n
 PYTEST_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup build test test-cpp test-py bench clean nocuda-check
+.PHONY: setup build test test-cpp test-py bench bench-micro clean nocuda-check
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ nocuda-check: setup
 	  && rm -f $(NOCUDA_DIR)/pkg/gpu_offload/_C*.so && cp $(NOCUDA_DIR)/lib/gpu_offload/_C*.so $(NOCUDA_DIR)/pkg/gpu_offload/
 	cd tests && PYTHONPATH=$(CURDIR)/$(NOCUDA_DIR)/pkg GPU_OFFLOAD_EXPECT_CUDA_BUILD=0 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider \
 	  --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml test_build.py test_roundtrip.py test_errors.py test_arena.py
+
+bench-micro: setup
+	$(PY) -m pytest benchmarks --benchmark-only -p no:cacheprovider --benchmark-columns=min,median,mean,rounds
 
 clean:
 	rm -rf build *.egg-info gpu_offload/_C*.so
