@@ -28,6 +28,7 @@ logger = logging.getLogger("gpu_offload")
 
 LAYOUT_NAMES = ("qwen1.5b", "qwen7b", "small64k", "tiny4k", "mixed")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+DTYPE_NAMES = tuple(_DTYPES)
 
 
 @dataclass
@@ -48,7 +49,11 @@ class Layout:
 
 
 def load_layout(name_or_path: str, *, dtype: Optional[str] = None, scale: int = 1) -> Layout:
-    """A named layout from the package data, or a JSON file with the same fields ({"dtype", "runs"})."""
+    """A named layout from the package data, or a JSON file with the same fields ({"dtype", "runs"}).
+
+    Raises OffloadError (one line, naming the problem) for an unknown name, an unreadable or malformed
+    file, an unknown dtype, or a run whose dimensions or count are not positive integers.
+    """
     path = Path(name_or_path)
     if name_or_path in LAYOUT_NAMES:
         table = json.loads(resources.files("gpu_offload").joinpath("data/layouts.json").read_text())
@@ -62,23 +67,37 @@ def load_layout(name_or_path: str, *, dtype: Optional[str] = None, scale: int = 
             raise OffloadError(f"layout file {path} is not readable JSON: {exc}") from None
     else:
         raise OffloadError(f"unknown layout {name_or_path!r}: use one of {', '.join(LAYOUT_NAMES)} or a JSON file")
+    if not isinstance(spec, dict) or "runs" not in spec:
+        raise OffloadError(f"layout {name_or_path}: expected a JSON object with \"runs\": [[shape, count], ...] "
+                           "(and optionally \"dtype\", \"name\")")
+    dtype_name = dtype or spec.get("dtype", "bfloat16")
+    if dtype_name not in _DTYPES:
+        raise OffloadError(f"layout {name_or_path}: unknown dtype {dtype_name!r} (use one of {', '.join(_DTYPES)})")
+    shapes: list[tuple[int, ...]] = []
     try:
-        dtype_name = dtype or spec.get("dtype", "bfloat16")
-        torch_dtype = _DTYPES[dtype_name]
-        shapes: list[tuple[int, ...]] = []
-        for shape, count in spec["runs"]:
-            shape = [int(d) for d in shape]
+        for run in spec["runs"]:
+            shape_spec, count_spec = run
+            # Exact integers only: a float or a bool dimension is a typo, not something to round.
+            if isinstance(count_spec, bool) or not isinstance(count_spec, int) or count_spec < 1 or any(
+                    isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape_spec):
+                raise OffloadError(f"layout {name_or_path}: run {run!r}: dimensions and counts must be positive "
+                                   "integers")
+            shape = list(shape_spec)
             if shape and scale > 1:
                 shape[0] = max(1, shape[0] // scale)
-            shapes.extend([tuple(shape)] * int(count))
-    except KeyError as exc:
-        raise OffloadError(f"layout {name_or_path}: missing or unknown field {exc} "
-                           f"(dtypes: {', '.join(_DTYPES)}; runs: [[shape, count], ...])") from None
+            shapes.extend([tuple(shape)] * count_spec)
     except (TypeError, ValueError) as exc:
         raise OffloadError(f"layout {name_or_path}: malformed runs ({exc}); expected [[shape, count], ...]") from None
     if not shapes:
         raise OffloadError(f"layout {name_or_path} has no tensors")
-    return Layout(str(spec.get("name", name_or_path)), torch_dtype, shapes, scale)
+    return Layout(str(spec.get("name", name_or_path)), _DTYPES[dtype_name], shapes, scale)
+
+
+def host_bytes_needed(layout: Layout, device: torch.device) -> int:
+    """Host memory `run` needs at its peak, roughly: on the CPU the tensors, the contiguous copy's two
+    buffers or the arena, and the baselines' copies; on a GPU the pinned buffer, the arena and the
+    baselines' host copies."""
+    return (4 if device.type == "cpu" else 3) * layout.nbytes
 
 
 def make_tensors(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from ._errors import OffloadError
 
@@ -21,8 +21,25 @@ class UsageError(Exception):
     """A bad option: reported on one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other bad option (argparse would print the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _console() -> Any:
+    """A rich console. Piped into a log (CI, `| tee`) rich assumes 80 columns and cuts the method names
+    short; a log has room, so use a wide one unless COLUMNS says otherwise."""
+    from rich.console import Console
+
+    if not sys.stdout.isatty() and not os.environ.get("COLUMNS"):
+        return Console(width=160)
+    return Console()
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu-offload", description=__doc__)
+    p = _Parser(prog="gpu-offload", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (plan sizes, bytes, GB/s per call)")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="measure the link limit, the engine and the baselines side by side")
@@ -51,24 +68,48 @@ def _device(name: Optional[str]):
         from . import cuda_available
 
         if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available on this machine")
+            raise UsageError(f"--device {name}: no CUDA device is available on this machine")
         if not cuda_available():
-            raise UsageError("--device cuda: gpu_offload was built without CUDA (reinstall with nvcc, GPU_OFFLOAD_CUDA=1)")
+            raise UsageError(f"--device {name}: gpu_offload was built without CUDA (reinstall with nvcc, "
+                             "GPU_OFFLOAD_CUDA=1)")
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UsageError(f"--device {name!r}: expected cuda or cuda:N") from None
+        count = torch.cuda.device_count()
+        if device.index is not None and not 0 <= device.index < count:
+            raise UsageError(f"--device {name}: this machine has {count} CUDA device(s)")
+        return device
     return torch.device(name)
 
 
+def _writable(option: str, path: Optional[Path]) -> None:
+    """Refuses an output path that cannot be written before the benchmark runs, not after."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UsageError(f"{option} {path}: is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: cannot create {path.parent}: {exc.strerror or exc}") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    from . import bench
+    from . import _C, bench
 
     device = _device(args.device)
     if args.repeats < 1:
         raise UsageError("--repeats must be at least 1")
     if args.scale is not None and args.scale < 1:
         raise UsageError("--scale must be at least 1")
+    if args.dtype is not None and args.dtype not in bench.DTYPE_NAMES:
+        raise UsageError(f"--dtype must be one of {', '.join(bench.DTYPE_NAMES)}, not {args.dtype!r}")
     names = args.layout or ["qwen1.5b"]
     if "all" in names:
         names = list(bench.LAYOUT_NAMES)
@@ -79,7 +120,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             layouts.append(bench.load_layout(name, dtype=args.dtype, scale=scale))
         except OffloadError as exc:
             raise UsageError(str(exc)) from None
-    console = Console()
+    # Refuse up front what would run the machine out of memory halfway through (layouts run one by one).
+    available = int(_C.available_host_memory())
+    for layout in layouts:
+        needed = bench.host_bytes_needed(layout, device)
+        if needed > available:
+            raise UsageError(f"layout {layout.name}: {layout.nbytes / 1e9:.2f} GB needs about {needed / 1e9:.1f} GB "
+                             f"of host memory, {available / 1e9:.1f} GB available; use a larger --scale")
+    # Last of the checks, as it creates the output folders.
+    _writable("--json", args.json)
+    _writable("--plot", args.plot)
+    console = _console()
     results = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench", total=len(layouts) * 6)
@@ -99,12 +150,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "" if r.ratio is None else f"{r.ratio:.2f}", r.note)
         console.print(table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": [r.to_json() for r in results], "info": info_dict()},
-                                        indent=1, default=str))
+        text = json.dumps({"results": [r.to_json() for r in results], "info": info_dict()}, indent=1, default=str)
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(text)
+        except OSError as exc:
+            raise UsageError(f"--json {args.json}: cannot write: {exc.strerror or exc}") from None
         console.print(f"wrote {args.json}")
     if args.plot:
-        plot(results, args.plot)
+        try:
+            plot(results, args.plot)
+        except OSError as exc:
+            raise UsageError(f"--plot {args.plot}: cannot write: {exc.strerror or exc}") from None
         console.print(f"wrote {args.plot}")
     return 0
 
@@ -131,8 +188,11 @@ def plot(results: list, path: Path) -> None:
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        # PNG whatever the name says: matplotlib would otherwise pick (or reject) a format by the suffix.
+        fig.savefig(path, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 def info_dict() -> dict:
@@ -141,9 +201,20 @@ def info_dict() -> dict:
     import torch
 
     from . import _C, build_info, cuda_available
-    from .arena import _DEFAULT_MIN_SLAB_BYTES
+    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    # Read the way default_arena() reads them, and checked by building (not using: nothing is allocated
+    # before the first region) an arena from them, so a setting the default arena would refuse at its
+    # first use is refused here, with the same message.
+    max_bytes = _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES")
+    min_slab = _env_int("GPU_OFFLOAD_MIN_SLAB_BYTES")
+    pin = os.environ.get("GPU_OFFLOAD_PIN", "auto")
+    try:
+        Arena(max_bytes, min_slab_bytes=min_slab, pin=pin)
+    except OffloadError as exc:
+        raise OffloadError(f"the default arena's environment (GPU_OFFLOAD_ARENA_MAX_BYTES, GPU_OFFLOAD_MIN_SLAB_BYTES, "
+                           f"GPU_OFFLOAD_PIN) is refused: {exc}") from None
     devices = []
     if cuda_available():
         import torch.cuda
@@ -158,15 +229,14 @@ def info_dict() -> dict:
         "host_memory_available_bytes": int(_C.available_host_memory()),
         "memlock_limit_bytes": None if soft == resource.RLIM_INFINITY else soft,
         "arena": {
-            "max_bytes": os.environ.get("GPU_OFFLOAD_ARENA_MAX_BYTES") or None,
-            "min_slab_bytes": int(os.environ.get("GPU_OFFLOAD_MIN_SLAB_BYTES") or _DEFAULT_MIN_SLAB_BYTES),
-            "pin": os.environ.get("GPU_OFFLOAD_PIN", "auto"),
+            "max_bytes": max_bytes,
+            "min_slab_bytes": min_slab if min_slab is not None else _DEFAULT_MIN_SLAB_BYTES,
+            "pin": pin,
         },
     }
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     info = info_dict()
@@ -186,7 +256,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("arena max_bytes", str(a["max_bytes"] or "none"))
     table.add_row("arena min slab", f"{a['min_slab_bytes'] / 2**20:.0f} MiB")
     table.add_row("arena pinning", a["pin"])
-    Console().print(table)
+    _console().print(table)
     return 0
 
 
@@ -196,8 +266,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return {"bench": cmd_bench, "info": cmd_info}[args.command](args)
     except (UsageError, OffloadError) as exc:
-        print(f"gpu-offload: error: {exc}", file=sys.stderr)
+        # One line whatever the message (errors from the core may carry a newline).
+        print(f"gpu-offload: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("rich", "matplotlib"):
+            raise
+        print(f"gpu-offload: error: the command line needs {exc.name}: pip install 'gpu-offload[all]'",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpu-offload: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
