@@ -21,7 +21,7 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
-from .storages import Bound, Layout, bind
+from .storages import Bound, Layout, bind, unwrap
 
 _MAX_CACHED = 32
 
@@ -142,32 +142,25 @@ class Resolved:
         return self._storages
 
 
-def _first_storages(plan: TargetPlan, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.UntypedStorage]:
     """The live storage of each planned storage, reached through the first tensor that views it."""
-    firsts = [tensors[i] for i in plan.first_tensor]
-    try:
-        return list(map(torch.Tensor.untyped_storage, firsts))
-    except Exception:  # wrapper subclasses (DTensor): their local shards hold the storage
-        from .storages import unwrap
+    return list(map(torch.Tensor.untyped_storage, [plain[i] for i in plan.first_tensor]))
 
-        return [unwrap(t).untyped_storage() for t in firsts]
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards. (A
+    DTensor's own data_ptr() is 0 and its untyped_storage() describes no real memory.)"""
+    if all(type(t) in _PLAIN_TYPES for t in tensors):
+        return tensors
+    return [t if type(t) in _PLAIN_TYPES else unwrap(t) for t in tensors]
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
 _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0}
-
-
-def _tensor_ptrs(tensors: list[torch.Tensor]) -> Optional[list[int]]:
-    try:
-        return list(map(torch.Tensor.data_ptr, tensors))
-    except Exception:  # wrapper subclasses without data_ptr (DTensor): compare their local shards
-        from .storages import unwrap
-
-        try:
-            return [unwrap(t).data_ptr() for t in tensors]
-        except Exception:
-            return None
 
 
 def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None) -> Resolved:
@@ -177,32 +170,38 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     """
     names = [n for n, _ in named]
     tensors = [t for _, t in named]
-    if nbytes_of is None:
+    try:
+        plain: Optional[list[torch.Tensor]] = _plain(tensors)
+        ptrs: Optional[list[int]] = list(map(torch.Tensor.data_ptr, plain))
+    except Exception:  # not all tensors: bind() below says what is wrong
+        plain = ptrs = None
+    if nbytes_of is None and plain is not None:
         key = tuple(map(id, tensors))
-        ptrs = _tensor_ptrs(tensors)
         with _cache_lock:
             plan = _cache.get(key)
             if plan is not None:
                 _cache.move_to_end(key)
-        if (plan is not None and ptrs is not None and plan.ptrs == ptrs and plan.names == names
+        if (plan is not None and plan.ptrs == ptrs and plan.names == names
                 and all(r() is t for r, t in zip(plan.refs, tensors))):
             # Same tensors at the same addresses; the storages must be the same ones with the same sizes
             # too (memory freed and re-allocated at the same address with another size is not the same).
-            storages = _first_storages(plan, tensors)
+            storages = _first_storages(plan, plain)
             if ([s._cdata for s in storages] == plan.keys
                     and list(map(torch.UntypedStorage.nbytes, storages)) == plan.storage_nbytes):
                 _stats["hits"] += 1
-                return Resolved(plan, tensors, storages, True)
+                return Resolved(plan, plain, storages, True)
     bound = bind(named, nbytes_of)
     _stats["misses"] += 1
-    plan = TargetPlan(names, tensors, _tensor_ptrs(tensors) or [], bound)
-    if nbytes_of is None and plan.ptrs and all(plan.storage_ptrs[i] or not s.nbytes
-                                               for i, s in enumerate(bound.layout.storages)):
+    if plain is None or ptrs is None:
+        plain = _plain(tensors)
+        ptrs = list(map(torch.Tensor.data_ptr, plain))
+    plan = TargetPlan(names, tensors, ptrs, bound)
+    if nbytes_of is None and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages)):
         with _cache_lock:
             _cache[tuple(map(id, tensors))] = plan
             while len(_cache) > _MAX_CACHED:
                 _cache.popitem(last=False)
-    return Resolved(plan, tensors, bound.storages, False)
+    return Resolved(plan, plain, bound.storages, False)
 
 
 def cache_info() -> dict[str, int]:

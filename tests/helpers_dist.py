@@ -106,7 +106,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     try:
         while not procs.join(timeout=0.5):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks in {timeout}s")
+                name = getattr(fn, "__name__", fn)
+                raise TimeoutError(f"{name} did not finish on {world_size} ranks in {timeout}s")
     except mp.ProcessRaisedException as exc:
         raise AssertionError(f"a rank failed:\n{exc}") from None
     finally:
@@ -233,7 +234,9 @@ class Qwen2ForCausalLM(nn.Module):
         return self.lm_head(self.model(ids))
 
 
-def build_qwen2(config: dict[str, Any] | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+def build_qwen2(
+    config: dict[str, Any] | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2-shaped decoder; the same seed gives a bitwise-identical twin."""
     c = {**QWEN2_TINY, **(config or {})}
     with torch.random.fork_rng(devices=[]):
@@ -246,7 +249,9 @@ def build_qwen2(config: dict[str, Any] | None = None, *, seed: int = 0, dtype: t
     return model.to(dtype)
 
 
-def batch(step: int, rank: int = 0, *, config: dict[str, Any] | None = None, batch_size: int = 2, seq_len: int = 8) -> torch.Tensor:
+def batch(
+    step: int, rank: int = 0, *, config: dict[str, Any] | None = None, batch_size: int = 2, seq_len: int = 8
+) -> torch.Tensor:
     """Token ids for one step on one rank, the same on every call with the same arguments."""
     c = {**QWEN2_TINY, **(config or {})}
     g = torch.Generator().manual_seed(1000 * step + rank)

@@ -6,6 +6,8 @@ World size 1 runs in this process (FSDP1 then uses NO_SHARD); world size 2 spawn
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,11 @@ import gpu_offload as go
 from gpu_offload.adapters import fsdp as fsdp_adapter
 from helpers_dist import DecoderLayer, batch, build_qwen2, lm_loss, param_bytes, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 KINDS = ["fsdp1", "fsdp1_orig_params", "fsdp2"]
 
@@ -88,9 +94,24 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
-def _named(model: nn.Module, kind: str, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
-    fn = fsdp_adapter.fsdp2_named_tensors if kind == "fsdp2" else fsdp_adapter.fsdp1_named_tensors
-    return fn(model, include_grads=include_grads)
+def _released(model: nn.Module, grads: bool = False) -> bool:
+    """Whether every parameter (its local shard), buffer and, if asked, gradient holds no memory."""
+    tensors = [_local(p) for p in model.parameters()] + list(model.buffers())
+    if grads:
+        tensors += [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    return all(t.untyped_storage().nbytes() == 0 for t in tensors)
+
+
+def _accumulate_without_sync(model: nn.Module, kind: str, rank: int) -> None:
+    if kind == "fsdp2":
+        model.set_requires_gradient_sync(False)
+        sync_off = contextlib.nullcontext()
+    else:
+        sync_off = model.no_sync()
+    with sync_off:
+        for i in range(2):
+            ids = batch(30 + i, rank)
+            lm_loss(model(ids), ids).backward()
 
 
 def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
@@ -102,7 +123,7 @@ def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
     # Offload before FSDP's lazy init (the flat parameter itself is the shard then), and back.
     go.offload(a)
     assert go.is_offloaded(a)
-    assert all(t.untyped_storage().nbytes() == 0 for _, t in _named(a, kind, False))
+    assert _released(a)
     go.reload(a)
     assert not go.is_offloaded(a)
 
@@ -126,7 +147,7 @@ def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
     grads_before = _grads(a)
     assert grads_before, "backward produced no gradients"
     go.offload([a, oa], include_grads=True)
-    assert all(t.untyped_storage().nbytes() == 0 for _, t in _named(a, kind, True))
+    assert _released(a, grads=True)
     go.reload([a, oa])
     _assert_same(_grads(a), grads_before, "grads after reload")
     _assert_same(_grads(a), _grads(b), "grads vs twin")
@@ -137,6 +158,9 @@ def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
     # A no_grad forward leaves the root unit unsharded; offload must still release (and restore) it all.
     _probe(a), _probe(b)
     go.offload([a, oa])
+    assert _released(a)
+    state = [_local(v) for s in oa.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    assert state and all(t.untyped_storage().nbytes() == 0 for t in state), "optimizer state not released"
     go.reload([a, oa])
     for i in range(2, 4):
         assert torch.equal(_step(a, oa, i, rank), _step(b, ob, i, rank)), f"loss at step {i}"
@@ -177,6 +201,18 @@ def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
         with FSDP.summon_full_params(a):
             with pytest.raises(go.OffloadError, match="summon_full_params|forward"):
                 go.snapshot(a)
+
+    # Gradient accumulation without sync (FSDP1 no_sync: unsharded flat grads; FSDP2: unsharded grads kept
+    # on the side) survives an offload with grads; the synced step after it matches the twin.
+    for m in (a, b):
+        _accumulate_without_sync(m, kind, rank)
+    go.offload([a, oa], include_grads=True)
+    assert _released(a, grads=True)
+    go.reload([a, oa])
+    for m, opt in ((a, oa), (b, ob)):
+        if kind == "fsdp2":
+            m.set_requires_gradient_sync(True)
+        _step(m, opt, 20, rank)
 
     _assert_same(_full_params(a, kind), _full_params(b, kind), "full parameters")
     info = fsdp_adapter.fsdp_shard_info(a)

@@ -271,12 +271,19 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple
         if include_grads:
             if p.grad is not None:
                 grads.append((f"{name}.grad", _local(p.grad)))
+            # Without gradient sync FSDP2 accumulates unsharded gradients, in reduce_dtype or on the
+            # unsharded parameter, which outlive the reshard.
             acc = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if acc is None:
+                unsharded = fsdp_param.__dict__.get("_unsharded_param")
+                acc = unsharded.grad if unsharded is not None else None
             if acc is not None:
                 grads.append((f"{name}.grad_unsharded", acc))
     missing = len(by_param) - len(managed)
     if missing:
-        raise OffloadError(f"{missing} fully_shard parameter(s) are not registered on the module; cannot name them")
+        raise OffloadError(
+            f"{missing} fully_shard parameter(s) are not registered on the module, so they cannot be named"
+        )
     return out + grads + _plain_tensors(module, managed, include_grads)
 
 
