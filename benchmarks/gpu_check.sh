@@ -2,7 +2,12 @@
 # The one GPU check: build the extension on the lent H200, run the cuda-marked tests and the whole suite, run
 # the GPU benchmark on every layout, and print a short table last. Writes everything under $OUT (or ./out).
 #   run from the repo root:  bash benchmarks/gpu_check.sh
-# Budget: about 5 minutes on an H200 (build ~1 min, tests ~1 min, bench ~2 min).
+# Budget: about 5 minutes on an H200 (build ~1 min, tests ~1 min, strategies ~30 s, bench ~2 min).
+# megatron-core is not on the H200: carry it as wheels first (here, in the repo root):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==0.19.2
+# and name .whl in the device call's `carry`; without it the megatron check is recorded as not run.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -32,6 +37,10 @@ ctest --test-dir build/cmake --output-on-failure 2>&1 | tail -5 | tee "$OUT/ctes
 log "tests (cuda-marked first, then all)"
 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/pytest-cuda.txt"
 $PY -m pytest -q -p no:cacheprovider -x tests 2>&1 | tail -15 | tee "$OUT/pytest-all.txt"
+
+log "strategies on the GPU (FSDP1, FSDP2, megatron-core DDP; NCCL, world size 1)"
+timeout 240 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies-h200.json" 2>&1 | grep -v Warning | tail -8 \
+  | tee "$OUT/strategies.txt"
 
 log "benchmark"
 timeout 300 $PY -m gpu_offload bench --device cuda --layout all --repeats 5 \

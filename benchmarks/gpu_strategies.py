@@ -1,0 +1,201 @@
+"""The strategies on a real device: FSDP1, FSDP1 (use_orig_params), FSDP2 and megatron-core DDP at world size 1.
+
+For each: train a step, snapshot v1, train, snapshot v2, restore v1 (probe logits must equal v1's), restore
+v2, offload model + optimizer (device memory must drop by the offloaded bytes on CUDA), reload, train on
+and compare losses bitwise with an untouched twin. Writes a JSON record of what ran and what held.
+
+    python benchmarks/gpu_strategies.py --device cuda --json out/strategies.json     # NCCL, on a GPU
+    python benchmarks/gpu_strategies.py --device cpu                                 # gloo, to try it here
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import gpu_offload as go  # noqa: E402
+from helpers_dist import batch, build_qwen2, free_port, lm_loss  # noqa: E402
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
+def _probe(model: Any, device: torch.device) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batch(999).to(device)).float().cpu()
+
+
+def _step(model: Any, opt: torch.optim.Optimizer, step: int, device: torch.device) -> float:
+    opt.zero_grad(set_to_none=True)
+    ids = batch(step).to(device)
+    loss = lm_loss(model(ids), ids)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _wrap_fsdp1(model: torch.nn.Module, device: torch.device, orig: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model.to(device), device_id=device if device.type == "cuda" else torch.device("cpu"),
+                use_orig_params=orig)
+
+
+def _wrap_fsdp2(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(device)
+    mesh = init_device_mesh(device.type, (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def check_strategy(name: str, wrap: Callable[[torch.nn.Module], torch.nn.Module], device: torch.device) -> dict:
+    record: dict[str, Any] = {"strategy": name, "device": str(device)}
+    model = wrap(build_qwen2(seed=1))
+    twin = wrap(build_qwen2(seed=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    losses = [_step(model, opt, 0, device)]
+    twin_losses = [_step(twin, twin_opt, 0, device)]
+    v1 = go.snapshot(model)
+    out_v1 = _probe(model, device)
+    losses.append(_step(model, opt, 1, device))
+    twin_losses.append(_step(twin, twin_opt, 1, device))
+    v2 = go.snapshot(model)
+    out_v2 = _probe(model, device)
+    go.restore(model, v1)
+    record["restore_v1_bitwise"] = bool(torch.equal(_probe(model, device), out_v1))
+    go.restore(model, v2)
+    record["restore_v2_bitwise"] = bool(torch.equal(_probe(model, device), out_v2))
+    record["snapshot_nbytes"] = v1.nbytes
+    v1.free()
+    v2.free()
+
+    opt.zero_grad(set_to_none=True)
+    before = _allocated(device)
+    go.offload([model, opt])
+    record["offloaded_bytes"] = go.offloaded_bytes()
+    record["memory_allocated_drop"] = before - _allocated(device)
+    record["is_offloaded"] = go.is_offloaded([model, opt])
+    go.reload([model, opt])
+    record["memory_allocated_back"] = _allocated(device) == before
+    for step in range(2, 5):
+        losses.append(_step(model, opt, step, device))
+        twin_losses.append(_step(twin, twin_opt, step, device))
+    record["losses"] = losses
+    record["training_matches_twin_bitwise"] = losses == twin_losses
+    record["ok"] = bool(record["restore_v1_bitwise"] and record["restore_v2_bitwise"] and record["is_offloaded"]
+                        and record["training_matches_twin_bitwise"]
+                        and (device.type != "cuda" or record["memory_allocated_drop"] >= record["offloaded_bytes"]))
+    return record
+
+
+def check_megatron(device: torch.device) -> dict:
+    """megatron-core DDP (distributed optimizer) on the device; on the CPU with the test suite's patches."""
+    record: dict[str, Any] = {"strategy": "megatron-ddp", "device": str(device)}
+    try:
+        import megatron.core
+    except ImportError as exc:
+        return {**record, "ran": False, "why": f"megatron-core not importable: {exc}"}
+    record["megatron_core"] = getattr(megatron.core, "__version__", "?")
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device.type == "cuda":
+        ctx: Any = contextlib.nullcontext
+    else:
+        from megatron_fixtures import megatron_cpu as ctx
+    with ctx():
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        import megatron_fixtures as mf
+
+        if device.type == "cuda":  # no patches on a GPU: the fixture's helpers minus the CPU context
+            mf.megatron_cpu = contextlib.nullcontext  # type: ignore[assignment]
+            cpu_batch = mf.batch
+            mf.batch = lambda *a, **k: cpu_batch(*a, **k).to(device)  # type: ignore[assignment]
+        chunks = [mf.build_chunk(seed=3, use_distributed_optimizer=True)]
+        if device.type == "cuda":
+            chunks = [c.cuda() for c in chunks]
+        opt = mf.build_optimizer(chunks, use_distributed_optimizer=True)
+        mf.train_step(chunks, opt, step=0)
+        v1 = go.snapshot(chunks)
+        out_v1 = mf.logits(chunks)
+        mf.train_step(chunks, opt, step=1)
+        v2 = go.snapshot(chunks)
+        go.restore(chunks, v1)
+        record["restore_v1_bitwise"] = all(torch.equal(a, b) for a, b in zip(mf.logits(chunks), out_v1))
+        go.restore(chunks, v2)
+        before = _allocated(device)
+        go.offload([chunks, opt])
+        record["offloaded_bytes"] = go.offloaded_bytes()
+        record["memory_allocated_drop"] = before - _allocated(device)
+        go.reload([chunks, opt])
+        mf.train_step(chunks, opt, step=2)
+        buf = chunks[0].buffers[0]
+        record["params_still_views"] = all(p.untyped_storage().data_ptr() == buf.param_data.untyped_storage().data_ptr()
+                                           for p in buf.params)
+        record["ok"] = bool(record["restore_v1_bitwise"] and record["params_still_views"])
+    finally:
+        parallel_state.destroy_model_parallel()
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(backend, rank=0, world_size=1)
+    checks: list[tuple[str, Callable[[], dict]]] = [
+        ("fsdp1", lambda: check_strategy("fsdp1", lambda m: _wrap_fsdp1(m, device, False), device)),
+        ("fsdp1-orig", lambda: check_strategy("fsdp1-use_orig_params", lambda m: _wrap_fsdp1(m, device, True), device)),
+        ("fsdp2", lambda: check_strategy("fsdp2", lambda m: _wrap_fsdp2(m, device), device)),
+        ("megatron", lambda: check_megatron(device)),
+    ]
+    records = []
+    for name, fn in checks:
+        try:
+            rec = fn()
+            rec.setdefault("ran", True)
+        except Exception as exc:  # record and go on: one strategy failing must not hide the others
+            rec = {"strategy": name, "ran": True, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc()[-2000:]}
+        records.append(rec)
+        print(f"{rec['strategy']:<24} ran={rec.get('ran')} ok={rec.get('ok')} "
+              f"{rec.get('error') or rec.get('why') or ''}", flush=True)
+    dist.destroy_process_group()
+    info = {"torch": torch.__version__, "build": go.build_info(), "backend": backend, "records": records}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(info, indent=1, default=str))
+    return 0 if all(r.get("ok") or not r.get("ran") for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
