@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "core/arena.hpp"
+#include "core/checksum.hpp"
 #include "core/copy_plan.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/errors.hpp"
@@ -110,4 +111,19 @@ PYBIND11_MODULE(_C, m) {
           py::arg("to_host"), py::arg("host_base"), py::arg("stream") = 0,
           py::arg("waits") = std::vector<cuda::EventPtr>{}, py::arg("stream_waits") = true,
           py::call_guard<py::gil_scoped_release>());
+
+  // -- checksums (integrity) ------------------------------------------------------------------------
+  m.def("checksum_host", &checksum_host, py::arg("ptrs"), py::arg("sizes"),
+        "Checksums of host buffers (pointers and byte counts), one 64-bit value each.",
+        py::call_guard<py::gil_scoped_release>());
+  py::class_<cuda::ChecksumJob, std::shared_ptr<cuda::ChecksumJob>>(m, "ChecksumJob")
+      .def("done", &cuda::ChecksumJob::query)
+      .def("result", &cuda::ChecksumJob::wait, "Blocks until the sums are on the host; the checksums.",
+           py::call_guard<py::gil_scoped_release>());
+  m.def("checksum_device_async", &cuda::checksum_device_async, py::arg("device"), py::arg("ptrs"), py::arg("sizes"),
+        py::arg("stream") = 0, "Enqueues the checksum kernel over device buffers on `stream`; a ChecksumJob.",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("checksum_device", &cuda::checksum_device, py::arg("device"), py::arg("ptrs"), py::arg("sizes"),
+        py::arg("stream") = 0, "Checksums of device buffers, computed on `stream` and waited for.",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -16,6 +16,7 @@ from ._ext import _C
 from ._version import __version__
 from .api import is_offloaded, offload, offloaded_bytes, reload, restore, snapshot
 from .arena import Arena, default_arena
+from .persist import load
 from .snapshot import Snapshot
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "cuda_available",
     "default_arena",
     "is_offloaded",
+    "load",
     "offload",
     "offloaded_bytes",
     "reload",

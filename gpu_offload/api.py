@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import integrity as _integrity
 from . import plan as _plan
 from ._errors import OffloadError
 from .adapters import named_tensors
@@ -66,7 +67,8 @@ def _empty_cache(devices: list[torch.device]) -> None:
         torch.cuda.empty_cache()
 
 
-def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena] = None) -> Snapshot:
+def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena] = None,
+             checksum: bool = False) -> Snapshot:
     """Copies the target's device state into pinned host memory, without changing the target.
 
     The copy is ordered after the work already enqueued on each device's current stream, and later work
@@ -78,6 +80,9 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         target: an nn.Module, an Optimizer, a Mapping of tensors, or a list/tuple of these.
         include_grads: also copy parameters' `.grad` tensors (named "<param>.grad").
         arena: the arena to copy into (default: the shared default arena).
+        checksum: also record a checksum of every storage, computed from the source as it is copied (on a
+            GPU by a kernel enqueued just before the copy); `Snapshot.verify()`, `restore(verify=True)`
+            and `load` check against it. See gpu_offload.integrity.
 
     Raises:
         OffloadError: unsupported target or tensor, an offloaded target, or arena/host memory exhausted.
@@ -89,23 +94,29 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     plans = resolved.plan.copies()
     region = arena._allocate(layout.host_bytes)
     try:
+        # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
+        sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
         events = plans.run(True, region.ptr)
     except BaseException:
         region.release()
         raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
-    return Snapshot(layout, region, events)
+    return Snapshot(layout, region, events, sums)
 
 
-def restore(target: Any, snap: Snapshot) -> None:
+def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
     """Copies a snapshot back into the target's storages, in place.
 
     The target may be the object the snapshot was taken from or any target of the same layout (matched by
     names, e.g. a freshly built twin). Later work on the current stream sees the restored values.
 
+    With `verify=True` (the snapshot must have checksums) the host copy is checked before anything is
+    copied, and the restored storages are checked after the copy (on a GPU this waits for it).
+
     Raises:
         LayoutMismatchError: names, shapes, dtypes, devices or storage sizes differ (nothing is copied).
-        OffloadError: the snapshot was freed, or the target is offloaded.
+        OffloadError: the snapshot was freed, or the target is offloaded; with verify, a corrupt host copy
+            (nothing is copied) or restored data that differs from the source (named in the message).
     """
     if not isinstance(snap, Snapshot):
         raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
@@ -115,9 +126,20 @@ def restore(target: Any, snap: Snapshot) -> None:
     layout = resolved.layout
     mapping = match(snap.layout, layout)
     plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
+    expected: Optional[list[int]] = None
+    if verify:  # integrity: the host copy is checked before anything moves
+        expected = snap.checksums
+        if expected is None:
+            raise OffloadError("restore(verify=True) needs a snapshot with checksums: take it with "
+                               "snapshot(..., checksum=True)")
+        snap.verify()
     # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
     events = plans.run(False, region.ptr, waits=snap._pending())
     snap._add_events(events)
+    if expected is not None:  # integrity: and the restored device data after
+        _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
+                                   expected if mapping is None else [expected[i] for i in mapping],
+                                   "restored data differs from the snapshot's source")
     _log_rate("restore", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
@@ -153,12 +175,16 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         except BaseException:
             region.arena._free(region.ptr, ())
             raise
-        for key, spec, storage in live:
-            _offloaded[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
-        # The copies are enqueued before the memory is released, and the current stream waits for them, so
-        # the caching allocator cannot hand the blocks out to later work before they have been read.
-        for _, _, storage in live:
-            storage.resize_(0)
+        try:
+            for key, spec, storage in live:
+                _offloaded[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
+            # The copies are enqueued before the memory is released, and the current stream waits for them, so
+            # the caching allocator cannot hand the blocks out to later work before they have been read.
+            for _, _, storage in live:
+                storage.resize_(0)
+        except BaseException:
+            _undo_offload(live, region, events)  # exception safety: the target is left as it was
+            raise
     if empty_cache:
         _empty_cache(layout.devices)
     _log_rate("offload", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
@@ -180,32 +206,67 @@ def reload(target: Any) -> None:
         layout = bound.layout
         if not records:
             raise OffloadError("cannot reload: nothing in the target is offloaded")
-        resized: list[torch.UntypedStorage] = []
+        # Exception safety: nothing is committed (registry, regions) until every storage is allocated and
+        # every copy enqueued; an error or interrupt before that frees what was allocated, and the target
+        # stays offloaded with its data intact.
+        by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
+        for item in records:
+            by_region.setdefault(id(item[2].region), []).append(item)
+        enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]] = []
+        allocating = True
         try:
             for _, storage, record in records:
                 storage.resize_(record.nbytes)
-                resized.append(storage)
+            allocating = False
+            for items in by_region.values():
+                region = items[0][2].region
+                entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
+                enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)))
         except BaseException as exc:
-            for storage in resized:
-                storage.resize_(0)
+            _undo_reload(records, enqueued)
             needed = sum(r.nbytes for _, _, r in records)
-            if isinstance(exc, (RuntimeError, MemoryError)):
+            if allocating and isinstance(exc, (RuntimeError, MemoryError)):
                 raise OffloadError(f"reload failed while allocating {needed} bytes on "
                                    f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
                                    "offloaded with its data intact, free memory and call reload() again") from exc
             raise
-        by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
-        for item in records:
-            by_region.setdefault(id(item[2].region), []).append(item)
-        for items in by_region.values():
+        for items, events in enqueued:
             region = items[0][2].region
-            entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
-            events = _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)
             for key, _, _ in items:
                 del _offloaded[key]
             for _ in items:
                 region.release(events)
     _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(layout.tensors), len(records), True)
+
+
+# -- exception safety: undoing a half-done offload or reload ----------------------------------------------
+def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Region, events: list[Any]) -> None:
+    """Puts back an offload interrupted after its copy: storages already released are re-allocated and
+    refilled from the region (which the copy filled), the registry entries dropped, the region freed.
+    Released storages are found by their size, so one released just before the interrupt is not missed."""
+    for key, _, _ in live:
+        _offloaded.pop(key, None)
+    released = [(spec, storage) for _, spec, storage in live if storage.nbytes() != spec.nbytes]
+    back: list[Any] = []
+    if released:
+        for spec, storage in released:
+            storage.resize_(spec.nbytes)
+        entries = [(spec.device, storage.data_ptr(), spec.host_offset, spec.nbytes) for spec, storage in released]
+        back = _plan.build_copies(entries).run(False, region.ptr, waits=events)
+    region.arena._free(region.ptr, list(events) + back)
+    logger.debug("offload interrupted: %d released storages put back", len(released))
+
+
+def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
+                 enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]]) -> None:
+    """Releases the storages an interrupted reload allocated; their data stays in the arena. Copies already
+    enqueued from a region are added to its records' events, so the region outlives them."""
+    for items, events in enqueued:
+        for _, _, record in items:
+            record.events = list(record.events) + list(events)
+    for _, storage, _ in records:
+        if storage.nbytes() != 0:
+            storage.resize_(0)
 
 
 def is_offloaded(target: Any) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
+from . import integrity as _integrity
 from ._errors import OffloadError
 from .arena import Arena, Region
 from .storages import Layout
@@ -20,11 +22,13 @@ class Snapshot:
     the GPU. Use as a context manager to free it at the end of a block.
     """
 
-    def __init__(self, layout: Layout, region: Region, events: list[Any]) -> None:
+    def __init__(self, layout: Layout, region: Region, events: list[Any],
+                 checksums: Optional[_integrity.Checksums] = None) -> None:
         self._layout = layout
         self._region: Optional[Region] = region
         self._events = events  # copies writing the region (the snapshot) and reading it (restores)
         self._lock = threading.Lock()
+        self._checksums = checksums  # taken from the source (snapshot(checksum=True)) or read from a file
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -115,6 +119,35 @@ class Snapshot:
             typed = base[: base.numel() // itemsize * itemsize].view(spec.dtype)
             out[spec.name] = torch.as_strided(typed, spec.shape, spec.stride, spec.offset)
         return out
+
+    # -- integrity and persistence (gpu_offload/integrity.py, gpu_offload/persist.py) --------------------
+    @property
+    def checksums(self) -> Optional[list[int]]:
+        """One checksum per storage, of the source as it was copied (`snapshot(..., checksum=True)`) or as
+        saved in a file; None when none was computed. Waits for sums still being computed on a GPU."""
+        return None if self._checksums is None else self._checksums.result()
+
+    def verify(self) -> "Snapshot":
+        """Recomputes the checksums over the host copy (after waiting for it) and compares.
+
+        Raises:
+            OffloadError: a storage's host copy differs from its source (named in the message), the
+                snapshot has no checksums, or it was freed.
+        """
+        region = self._live()
+        expected = self.checksums
+        if expected is None:
+            raise OffloadError("this snapshot has no checksums to verify: take it with snapshot(..., checksum=True)")
+        self.wait()
+        _integrity.verify_host(self._layout, region.ptr, expected)
+        return self
+
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Writes the snapshot to a safetensors file, atomically; `gpu_offload.load(path)` reads it back.
+        See gpu_offload.persist.save."""
+        from .persist import save
+
+        save(self, path)
 
     def __del__(self) -> None:
         # A dropped snapshot gives its space back, as a dropped CPU state dict would.

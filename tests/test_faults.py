@@ -1,0 +1,272 @@
+"""Faults: exceptions and KeyboardInterrupt injected in the middle of a batch, device out of memory during
+reload, pinning more than the machine can spare, and threads working on different models at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import gpu_offload as go
+from conftest import assert_bitwise_equal, random_tensor
+from gpu_offload import integrity as _integrity
+from gpu_offload import plan as _plan
+from gpu_offload._ext import _C
+
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _state(device: torch.device) -> dict[str, torch.Tensor]:
+    base = random_tensor((500,), torch.float32, device, seed=1)
+    return {
+        "a": random_tensor((40, 7), torch.float16, device, seed=2),
+        "base": base,
+        "view": base[100:150],  # shares base's storage
+        "b": random_tensor((33,), torch.int32, device, seed=3),
+        "c": random_tensor((3, 5), torch.bfloat16, device, seed=4),
+    }
+
+
+_NUM_STORAGES = 4  # a, base (with view), b, c
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: int, exc: type[BaseException],
+            when: Callable[..., bool] = lambda *a, **kw: True) -> dict[str, int]:
+    """Makes the k-th call of owner.name (among those `when` selects) raise exc before doing anything."""
+    original = getattr(owner, name)
+    calls = {"n": 0}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == k:
+                raise exc(f"injected into call {k} of {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Values and storage sizes to compare with later."""
+    return {n: (t.clone(), t.untyped_storage().nbytes()) for n, t in state.items()}
+
+
+def _assert_live_and_equal(state: dict[str, torch.Tensor], expected: dict[str, tuple[torch.Tensor, int]]) -> None:
+    assert not go.is_offloaded(state)
+    for k in state:
+        assert state[k].untyped_storage().nbytes() == expected[k][1]
+        assert_bitwise_equal(state[k], expected[k][0])
+    assert state["view"].untyped_storage()._cdata == state["base"].untyped_storage()._cdata
+
+
+def _assert_offloaded(state: dict[str, torch.Tensor]) -> None:
+    assert go.is_offloaded(state)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state.values())
+
+
+# -- offload ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("k", range(1, _NUM_STORAGES + 1))
+def test_offload_interrupted_while_releasing_storages_leaves_the_target_untouched(device, arena, monkeypatch, k, exc):
+    state = _state(device)
+    expected = _copy(state)
+    used, offloaded = arena.used_bytes, go.offloaded_bytes()
+    calls = _inject(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size == 0)
+    with pytest.raises(exc, match="injected"):
+        go.offload(state, arena=arena)
+    monkeypatch.undo()
+    assert calls["n"] == k
+    _assert_live_and_equal(state, expected)
+    assert (arena.used_bytes, go.offloaded_bytes()) == (used, offloaded)
+    go.offload(state, arena=arena)  # and it works afterwards
+    go.reload(state)
+    _assert_live_and_equal(state, expected)
+    assert arena.used_bytes == used
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_offload_interrupted_in_the_copy_leaves_the_target_untouched(device, arena, monkeypatch, exc):
+    state = _state(device)
+    expected = _copy(state)
+    _inject(monkeypatch, _plan.CopyPlans, "run", 1, exc)
+    with pytest.raises(exc, match="injected"):
+        go.offload(state, arena=arena)
+    monkeypatch.undo()
+    _assert_live_and_equal(state, expected)
+    assert arena.used_bytes == 0 and go.offloaded_bytes() == 0
+
+
+# -- reload -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, MemoryError])
+@pytest.mark.parametrize("k", range(1, _NUM_STORAGES + 1))
+def test_reload_interrupted_while_allocating_keeps_the_target_offloaded(device, arena, monkeypatch, k, exc):
+    state = _state(device)
+    expected = _copy(state)
+    go.offload(state, arena=arena)
+    used, offloaded = arena.used_bytes, go.offloaded_bytes()
+    _inject(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size > 0)
+    # An allocation failure becomes a clear OffloadError; an interrupt stays what it is.
+    with pytest.raises(go.OffloadError if exc is MemoryError else exc, match="injected"):
+        go.reload(state)
+    monkeypatch.undo()
+    _assert_offloaded(state)
+    assert (arena.used_bytes, go.offloaded_bytes()) == (used, offloaded)
+    go.reload(state)
+    _assert_live_and_equal(state, expected)
+    assert arena.used_bytes == 0 and go.offloaded_bytes() == 0
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("k", [1, 2])
+def test_reload_interrupted_between_copies_keeps_everything_offloaded(device, arena, monkeypatch, k, exc):
+    # Two targets offloaded separately: two regions, so reload([one, two]) runs two copy batches.
+    one, two = _state(device), {"x": random_tensor((77,), torch.float64, device, seed=9)}
+    expected_one = _copy(one)
+    expected_two = {n: t.clone() for n, t in two.items()}
+    go.offload(one, arena=arena)
+    go.offload(two, arena=arena)
+    used, offloaded = arena.used_bytes, go.offloaded_bytes()
+    _inject(monkeypatch, _plan.CopyPlans, "run", k, exc)
+    with pytest.raises(exc, match="injected"):
+        go.reload([one, two])
+    monkeypatch.undo()
+    _assert_offloaded(one)
+    _assert_offloaded(two)
+    assert (arena.used_bytes, go.offloaded_bytes()) == (used, offloaded)
+    go.reload([one, two])
+    _assert_live_and_equal(one, expected_one)
+    assert_bitwise_equal(two["x"], expected_two["x"])
+    assert arena.used_bytes == 0 and go.offloaded_bytes() == 0
+
+
+# -- snapshot and restore -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["copy", "checksum"])
+def test_snapshot_interrupted_gives_its_space_back(device, arena, monkeypatch, where):
+    state = _state(device)
+    expected = _copy(state)
+    go.snapshot(state, arena=arena).free()  # the arena has its slab: capacity must not change either
+    capacity = arena.capacity_bytes
+    if where == "copy":
+        _inject(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
+    else:
+        _inject(monkeypatch, _integrity, "compute", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        go.snapshot(state, arena=arena, checksum=True)
+    monkeypatch.undo()
+    _assert_live_and_equal(state, expected)
+    assert (arena.used_bytes, arena.capacity_bytes) == (0, capacity)
+
+
+def test_restore_interrupted_before_its_copy_leaves_the_target_untouched(device, arena, monkeypatch):
+    state = _state(device)
+    snap = go.snapshot(state, arena=arena, checksum=True)
+    for n in ("a", "base", "b", "c"):  # every storage (view lies inside base)
+        state[n].reshape(-1).view(torch.uint8).fill_(7)
+    before = {n: t.clone() for n, t in state.items()}
+    used = arena.used_bytes
+    _inject(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        go.restore(state, snap, verify=True)
+    monkeypatch.undo()
+    for n in state:
+        assert_bitwise_equal(state[n], before[n])
+    assert arena.used_bytes == used
+    go.restore(state, snap, verify=True)
+    snap.free()
+
+
+# -- resources ----------------------------------------------------------------------------------------------
+def test_pinning_beyond_available_memory_is_refused_up_front(device):
+    available = _C.available_host_memory()
+    assert available > 0
+    arena = go.Arena(min_slab_bytes=available + (64 << 30))
+    state = _state(device)
+    expected = _copy(state)
+    for op in (lambda: go.snapshot(state, arena=arena), lambda: go.offload(state, arena=arena),
+               lambda: arena.reserve(16)):
+        with pytest.raises(go.OffloadError, match=r"refusing to pin .* available"):
+            op()
+        _assert_live_and_equal(state, expected)
+        assert (arena.capacity_bytes, arena.used_bytes) == (0, 0)
+
+
+_MEMLOCK_CHILD = textwrap.dedent("""
+    import resource, sys, torch, gpu_offload as go
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))  # ulimit -l 64
+    w = torch.arange(8 << 20, dtype=torch.float32, device="cuda")
+    for pin in ("register", "hostalloc"):
+        arena = go.Arena(min_slab_bytes=64 << 20, pin=pin)
+        try:
+            snap = go.snapshot({"w": w}, arena=arena, checksum=True)
+            snap.verify()
+            ok = torch.equal(snap.tensors()["w"], w.cpu())
+            print(pin, "pinned" if ok else "WRONG", arena.pin_mode)
+        except go.OffloadError as exc:
+            print(pin, "refused", str(exc).splitlines()[0])
+""")
+
+
+@pytest.mark.cuda
+def test_pinning_under_a_low_memlock_limit_is_refused_or_works():
+    # The driver pins through its own path (not mlock), so ulimit -l may not apply: either way the
+    # result is a clear OffloadError or a correct snapshot, never a crash.
+    out = subprocess.run([sys.executable, "-c", _MEMLOCK_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.split()[1] in ("pinned", "refused") for line in lines), out.stdout
+
+
+@pytest.mark.cuda
+def test_reload_on_a_full_gpu_fails_clearly_and_a_retry_after_freeing_works():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()  # 128 MiB
+    expected = [p.detach().cpu().clone() for p in model.parameters()]
+    arena = go.Arena(min_slab_bytes=256 << 20)
+    go.offload(model, arena=arena)
+    used = arena.used_bytes
+    filler: list[torch.Tensor] = []
+    try:
+        chunk = 1 << 30
+        while chunk >= (1 << 20):  # fill the device, down to the last MiB
+            try:
+                filler.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                chunk //= 2
+        with pytest.raises(go.OffloadError, match="still offloaded with its data intact"):
+            go.reload(model)
+        assert go.is_offloaded(model) and arena.used_bytes == used
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    finally:
+        filler.clear()
+        torch.cuda.empty_cache()
+    go.reload(model)
+    for p, e in zip(model.parameters(), expected):
+        assert_bitwise_equal(p.cpu(), e)
+    assert arena.used_bytes == 0
+
+
+# -- threads ------------------------------------------------------------------------------------------------
+def test_two_threads_on_different_models_stay_bitwise_right(device):
+    # The short version of benchmarks/stress_threads.py (minutes there, seconds here).
+    stress = _load_script("stress_threads")
+    report = stress.stress(3.0, device=str(device), threads=2, width=128, depth=4)
+    assert not report.get("errors"), report.get("errors")
+    assert report["wrong"] == 0
+    for i in range(2):
+        assert report[f"thread{i}"]["restores"] >= 3 and report[f"thread{i}"]["offloads"] >= 1, report
+    assert report["arena_used_bytes_after"] == 0 and report["offloaded_bytes_after"] == 0
