@@ -95,3 +95,56 @@ def test_ray_fsdp2_offload() -> None:
     assert full <= shard_total <= full + 8192
     # Training went on after the round trip on every rank.
     assert len(s["losses"]) == 4 and all(len(step) == 2 and all(x > 0 for x in step) for step in s["losses"])
+
+
+def test_verl_fsdp2_worker() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    # Two gloo ranks spawned by the example itself; 2 windows of 3 local steps (the defaults).
+    proc = run_example("verl_fsdp2_worker.py", timeout=180)
+    s = summary(proc)
+    assert s["ok"] is True and s["world_size"] == 2 and len(s["ranks"]) == 2
+    full, buffers = s["full_param_bytes"], s["buffer_bytes"]
+    for r in s["ranks"]:
+        rank = r["rank"]
+        assert f"rank {rank}: OK: 4 restores of v1 reproduced its log-probs bitwise" in proc.stdout
+        assert r["restores_checked"] == 4
+        # A slot is this rank's shard (exactly half: every dimension of the model is even) plus the
+        # replicated buffers, for every slot number; not the whole model.
+        assert r["slot_bytes"] == full // 2 + buffers, (r["slot_bytes"], full, buffers)
+        assert all(step["slot_bytes"] == r["slot_bytes"] for step in r["steps"])
+        assert f"rank {rank}: window 1 local step 3: slot 3 keeps {r['slot_bytes']} bytes" in proc.stdout
+        steps = r["steps"]
+        assert len(steps) == 6
+        for step in steps:
+            if step["local_step"] == 1:  # old log-probs from the current weights: the ratio is 1
+                assert abs(step["ratio_min"] - 1) < 1e-6 and abs(step["ratio_max"] - 1) < 1e-6, step
+            else:  # old log-probs from the restored v1: had the restore done nothing, the ratio would be 1
+                assert step["ratio_min"] < 1 < step["ratio_max"], step
+                assert 0.5 < step["ratio_mean"] < 1.5, step
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-distributed-optimizer"]], ids=["distopt", "ddp"])
+def test_megatron_mis(flags: list[str]) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+    proc = run_example("megatron_mis.py", *flags, timeout=180)
+    s = summary(proc)
+    assert s["ok"] is True and s["restores_checked"] == 3 and len(s["steps"]) == 4
+    assert "OK: 3 restores of v1 reproduced its log-probs bitwise" in proc.stdout
+    params = s["param_bytes"]
+    if s["distributed_optimizer"]:
+        # One flat param_data buffer (padded) holds every parameter; the copy is that one storage.
+        assert s["v1_names"] == ["0.buffers.0.param_data"]
+        assert params <= s["v1_nbytes"] <= params + 4096, (s["v1_nbytes"], params)
+        assert "1 storage(s): 0.buffers.0.param_data" in proc.stdout
+    else:
+        # Plain DDP: the parameters keep their own storages (the tied output weight counted once).
+        assert s["v1_names"] == [] and s["v1_nbytes"] == params
+    first, *later = s["steps"]
+    assert first["ratio_min"] == first["ratio_max"] == 1.0
+    assert "step 0: importance ratio pi_v2/pi_v1 mean 1.000000 min 1.000000 max 1.000000" in proc.stdout
+    for step in later:
+        assert step["ratio_min"] < 1 < step["ratio_max"] and 0.5 < step["ratio_mean"] < 1.5, step
+        assert f"step {step['step']}: importance ratio pi_v2/pi_v1 mean {step['ratio_mean']:.6f}" in proc.stdout
