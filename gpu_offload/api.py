@@ -17,10 +17,10 @@ import torch
 from . import integrity as _integrity
 from . import plan as _plan
 from ._errors import OffloadError
-from .adapters import named_tensors
+from .adapters import named_tensors, shard_info
 from .arena import Arena, Region, default_arena
 from .snapshot import Snapshot
-from .storages import bind, match
+from .storages import bind, extent_problem, match
 
 logger = logging.getLogger("gpu_offload")
 
@@ -51,14 +51,23 @@ def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages
                      seconds * 1e3, rate)
 
 
-def _resolve_live(target: Any, include_grads: bool, op: str) -> _plan.Resolved:
-    """The target's plan; refuses targets with offloaded storages."""
-    resolved = _plan.resolve(named_tensors(target, include_grads=include_grads))
+def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = True) -> _plan.Resolved:
+    """The target's plan; refuses targets with offloaded storages or with memory released by someone else.
+
+    writes: the call will write into the target's storages (FSDP units left unsharded are resharded
+    first, so that a stale unsharded copy cannot shadow what is written).
+    """
+    resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
+                             shard_info=lambda: shard_info(target))
     if _offloaded:  # nothing to look up in the common case of nothing offloaded
         with _registry_lock:
             for key, spec in zip(resolved.plan.keys, resolved.layout.storages):
                 if key in _offloaded:
                     raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
+    if not resolved.hit:
+        problem = extent_problem(resolved.layout)
+        if problem is not None:
+            raise OffloadError(f"cannot {op}: {problem}")
     return resolved
 
 
@@ -89,7 +98,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     """
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
-    resolved = _resolve_live(target, include_grads, "snapshot")
+    resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
     layout = resolved.layout
     plans = resolved.plan.copies()
     region = arena._allocate(layout.host_bytes)
@@ -271,7 +280,7 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
 
 def is_offloaded(target: Any) -> bool:
     """True when the target's storages are offloaded (all those that held memory)."""
-    bound = bind(named_tensors(target, include_grads=False))
+    bound = bind(named_tensors(target, include_grads=False, reshard=False))
     with _registry_lock:
         offloaded = [k in _offloaded for k in bound.keys]
     if not any(offloaded):

@@ -68,6 +68,7 @@ def _layout_json(layout: Layout, checksums: list[int], source: str) -> str:
                      "stride": list(t.stride), "dtype": _dtype_name(t.dtype)} for t in layout.tensors],
         "storages": [{"name": s.name, "nbytes": s.nbytes, "device": str(s.device), "checksum": f"{c:016x}"}
                      for s, c in zip(layout.storages, checksums)],
+        "shard_info": layout.shard_info,  # rank / world size / shard sizes of FSDP or Megatron targets
     }, separators=(",", ":"))
 
 
@@ -241,7 +242,12 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
             if extent > storages[index].nbytes:
                 raise ValueError(f"{name}: the view needs {extent} bytes, its storage has {storages[index].nbytes}")
         tensors.append(TensorSpec(name, index, offset, shape, stride, dtype))
-    return Layout(tuple(tensors), tuple(storages), host), checksums
+    shard_info = doc.get("shard_info")
+    if shard_info is not None:
+        if not isinstance(shard_info, str):
+            raise ValueError("shard_info is not a string")
+        json.loads(shard_info)  # must parse: restore compares it field by field
+    return Layout(tuple(tensors), tuple(storages), host, shard_info), checksums
 
 
 def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int, data_start: int) -> None:

@@ -11,17 +11,18 @@ The cache holds no strong reference to tensors or storages: dropping a model dro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ._errors import OffloadError
 from ._ext import _C
-from .storages import Bound, Layout, bind, unwrap
+from .storages import Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
 
@@ -163,10 +164,13 @@ _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0}
 
 
-def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None) -> Resolved:
+def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None,
+            shard_info: Optional[Callable[[], Optional[str]]] = None) -> Resolved:
     """The target's plan, from the cache when its tensors are unchanged, else freshly bound.
 
-    nbytes_of (used by reload) forces a fresh bind with storage sizes overridden by key.
+    nbytes_of (used by reload) forces a fresh bind with storage sizes overridden by key. shard_info, called
+    on a fresh bind only, gives the strategy's shard layout to record in the layout. Plans whose tensors
+    reach past their storages are not cached (the caller reports them).
     """
     names = [n for n, _ in named]
     tensors = [t for _, t in named]
@@ -191,12 +195,17 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                 _stats["hits"] += 1
                 return Resolved(plan, plain, storages, True)
     bound = bind(named, nbytes_of)
+    if shard_info is not None:
+        info = shard_info()
+        if info is not None:
+            bound.layout = dataclasses.replace(bound.layout, shard_info=info)
     _stats["misses"] += 1
     if plain is None or ptrs is None:
         plain = _plain(tensors)
         ptrs = list(map(torch.Tensor.data_ptr, plain))
     plan = TargetPlan(names, tensors, ptrs, bound)
-    if nbytes_of is None and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages)):
+    if (nbytes_of is None and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
+            and extent_problem(bound.layout) is None):
         with _cache_lock:
             _cache[tuple(map(id, tensors))] = plan
             while len(_cache) > _MAX_CACHED:

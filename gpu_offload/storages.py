@@ -7,6 +7,7 @@ layouts (e.g. a model and its freshly built twin) can exchange snapshots.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
@@ -50,6 +51,10 @@ class Layout:
     tensors: tuple[TensorSpec, ...]
     storages: tuple[StorageSpec, ...]
     host_bytes: int  # region size needed for all storages
+    # The strategy's shard layout (rank, world size, shard sizes and placements) as canonical JSON, for
+    # targets sharded by FSDP1/FSDP2/Megatron; None otherwise. Part of equality: a rank's snapshot only
+    # restores into the same rank of the same sharding.
+    shard_info: Optional[str] = None
 
     # Computed once per layout: layouts are cached and read on every call.
     @cached_property
@@ -140,6 +145,47 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
     return Bound(Layout(tuple(tensors), tuple(specs), host), storages, keys)
 
 
+def tensor_extent_bytes(t: TensorSpec) -> int:
+    """Bytes of its storage a view reaches (0 for an empty tensor)."""
+    if not all(t.shape):
+        return 0
+    return (t.offset + sum((d - 1) * st for d, st in zip(t.shape, t.stride)) + 1) * t.dtype.itemsize
+
+
+def extent_problem(layout: Layout) -> Optional[str]:
+    """Why a tensor reaches past its storage (memory released by someone else, e.g. another offload tool's
+    resize_(0), which a snapshot would silently miss), or None."""
+    for t in layout.tensors:
+        need = tensor_extent_bytes(t)
+        have = layout.storages[t.storage].nbytes
+        if need > have:
+            return (f"{t.name}: its storage holds {have} bytes but the tensor needs {need}: its memory was "
+                    "released outside gpu_offload (another offload tool?); bring it back first")
+    return None
+
+
+def _first_difference(a: object, b: object, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"{path or 'shard layout'}: {b} in target, {a} in snapshot"
+
+
+def shard_difference(snapshot: Optional[str], target: Optional[str]) -> Optional[str]:
+    """The first difference between two shard layouts, or None when they agree."""
+    if snapshot == target:
+        return None
+    if snapshot is None or target is None:
+        which = "snapshot" if target is None else "target"
+        return f"only the {which} is sharded (FSDP/Megatron): the two come from different strategies"
+    return _first_difference(json.loads(snapshot), json.loads(target))
+
+
 def match(snapshot: Layout, target: Layout, max_report: int = 5) -> Optional[list[int]]:
     """Maps each target storage to the snapshot storage it must receive (None: the same layout, storage i
     to storage i).
@@ -150,6 +196,9 @@ def match(snapshot: Layout, target: Layout, max_report: int = 5) -> Optional[lis
     if snapshot is target or snapshot == target:  # identity: the common case of a cached plan
         return None
     problems: list[str] = []
+    shard = shard_difference(snapshot.shard_info, target.shard_info)
+    if shard is not None:
+        problems.append(f"shard layout differs (another rank, world size or sharding): {shard}")
     snap_by_name = {t.name: t for t in snapshot.tensors}
     target_by_name = {t.name: t for t in target.tensors}
     missing = [n for n in snap_by_name if n not in target_by_name]

@@ -185,3 +185,16 @@ def test_core_errors_carry_where_they_failed(arena):
         arena._impl.free(12345)
     with pytest.raises(go.OffloadError, match=r"check `.*` failed at copy_plan\.cpp:\d+"):
         ext._C.CopyPlan(-1, [1, 2], [0], [1, 1])
+
+
+def test_memory_released_outside_gpu_offload_is_refused(arena):
+    # Another tool freed the storage (resize_(0)) but the tensor still claims its shape: a snapshot would
+    # silently hold nothing.
+    w = torch.randn(16)
+    w.untyped_storage().resize_(0)
+    with pytest.raises(go.OffloadError, match="released outside gpu_offload"):
+        go.snapshot({"w": w}, arena=arena)
+    with pytest.raises(go.OffloadError, match="released outside gpu_offload"):  # not cached either
+        go.snapshot({"w": w}, arena=arena)
+    w.untyped_storage().resize_(64)
+    go.snapshot({"w": w}, arena=arena).free()

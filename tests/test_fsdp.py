@@ -260,3 +260,32 @@ def test_plain_module_is_not_fsdp() -> None:
         fsdp_adapter.fsdp1_named_tensors(model, include_grads=False)
     with pytest.raises(go.OffloadError):
         fsdp_adapter.fsdp2_named_tensors(model, include_grads=False)
+
+
+def _save_then_restore_elsewhere(rank: int, world_size: int, kind: str, directory: str, saved_world: int) -> str:
+    """Each rank saves its shards; then a rank (or a world of another size) tries to restore another's."""
+    model, _ = _make(kind, world_size)
+    path = f"{directory}/{kind}-w{world_size}-r{rank}.safetensors"
+    with go.snapshot(model) as snap:
+        snap.save(path)
+    dist.barrier()
+    if world_size == saved_world:
+        other = f"{directory}/{kind}-w{world_size}-r{(rank + 1) % world_size}.safetensors"
+    else:
+        other = f"{directory}/{kind}-w{saved_world}-r0.safetensors"
+    with go.load(other) as foreign:
+        try:
+            go.restore(model, foreign)
+        except go.LayoutMismatchError as exc:
+            return str(exc)
+    return "restored"
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_restore_refuses_another_ranks_or_world_sizes_shards(kind: str, tmp_path) -> None:
+    # Rank 1 restoring rank 0's file: same shapes, different shards. Must be refused before anything moves.
+    for message in run_ranks(_save_then_restore_elsewhere, 2, kind, str(tmp_path), 2):
+        assert "shard layout differs" in message and "rank" in message, message
+    # A world-size-1 target restoring a world-size-2 shard file (saved above at rank 0).
+    (message,) = run_ranks(_save_then_restore_elsewhere, 1, kind, str(tmp_path), 2)
+    assert "differs" in message, message

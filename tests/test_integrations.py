@@ -65,6 +65,17 @@ def test_verl_slots_save_restore_clear(arena, caplog):
     assert "no such slot" in caplog.text
 
 
+def test_verl_slots_can_be_reset_like_verl_does(arena):
+    worker = FsdpStyleWorker(torch.nn.Linear(4, 4), arena)
+    worker.save_model_to_cpu(0)
+    worker.save_model_to_cpu(1)
+    assert arena.used_bytes > 0
+    worker.cpu_saved_models = {}  # what verl's workers do to drop every slot
+    assert worker.cpu_saved_models == {} and arena.used_bytes == 0
+    with pytest.raises(go.OffloadError, match="Snapshots"):
+        worker.cpu_saved_models = {0: {"weight": torch.zeros(4, 4)}}
+
+
 def test_verl_slots_need_a_module():
     class Empty(GpuOffloadSlotsMixin):
         pass

@@ -14,7 +14,8 @@ special case here.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -23,14 +24,30 @@ from .._errors import OffloadError
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def named_tensors(target: Any, *, include_grads: bool = False) -> NamedTensors:
+def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = True) -> NamedTensors:
     """Flattens `target` into (name, tensor) pairs in a deterministic order.
 
+    reshard: let FSDP units left unsharded after a forward be resharded first (needed before writing into
+    the shards; reads pass False so that an explicit unshard() is not undone).
     Raises OffloadError for an object that is none of the supported kinds.
     """
     out: NamedTensors = []
-    _collect(target, "", include_grads, out, top=True)
+    _collect(target, "", include_grads, out, top=True, reshard=reshard)
     return out
+
+
+def shard_info(target: Any) -> Optional[str]:
+    """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
+    optimizers), as canonical JSON keyed by part index; None when nothing in it is sharded."""
+    from . import fsdp, megatron
+
+    info: dict[str, Any] = {}
+    for i, part in enumerate(parts(target)):
+        if megatron.is_megatron_ddp(part) or megatron.is_megatron_optimizer(part):
+            info[str(i)] = megatron.megatron_shard_info(part)
+        elif isinstance(part, torch.nn.Module) and (fsdp.is_fsdp1(part) or fsdp.is_fsdp2(part)):
+            info[str(i)] = fsdp.fsdp_shard_info(part)
+    return json.dumps(info, sort_keys=True, default=str) if info else None
 
 
 def parts(target: Any) -> list[Any]:
@@ -40,11 +57,12 @@ def parts(target: Any) -> list[Any]:
     return [target]
 
 
-def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top: bool = False) -> None:
+def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top: bool = False,
+             reshard: bool = True) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((prefix.rstrip(".") or "tensor", obj))
     elif isinstance(obj, torch.nn.Module):
-        out.extend((prefix + name, t) for name, t in module_tensors(obj, include_grads=include_grads))
+        out.extend((prefix + name, t) for name, t in module_tensors(obj, include_grads=include_grads, reshard=reshard))
     elif _is_optimizer(obj):
         out.extend((prefix + name, t) for name, t in optimizer_tensors(obj))
     elif isinstance(obj, Mapping):
@@ -59,10 +77,10 @@ def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top:
             if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
                 out.append((f"{prefix}{key}", value))
             else:
-                _collect(value, f"{prefix}{key}.", include_grads, out)
+                _collect(value, f"{prefix}{key}.", include_grads, out, reshard=reshard)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _collect(value, f"{prefix}{i}.", include_grads, out)
+            _collect(value, f"{prefix}{i}.", include_grads, out, reshard=reshard)
     elif top or not _is_plain_value(obj):
         raise OffloadError(
             f"unsupported target {type(obj).__module__}.{type(obj).__qualname__}"
@@ -84,16 +102,16 @@ def _is_optimizer(obj: Any) -> bool:
     return megatron.is_megatron_optimizer(obj)
 
 
-def module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:
+def module_tensors(module: torch.nn.Module, *, include_grads: bool, reshard: bool = True) -> NamedTensors:
     """A module's parameters (and grads if asked) and buffers, through the strategy that wraps it."""
     from . import fsdp, megatron
 
     if megatron.is_megatron_ddp(module):
         return megatron.megatron_ddp_named_tensors(module, include_grads=include_grads)
     if fsdp.is_fsdp1(module):
-        return fsdp.fsdp1_named_tensors(module, include_grads=include_grads)
+        return fsdp.fsdp1_named_tensors(module, include_grads=include_grads, reshard=reshard)
     if fsdp.is_fsdp2(module):
-        return fsdp.fsdp2_named_tensors(module, include_grads=include_grads)
+        return fsdp.fsdp2_named_tensors(module, include_grads=include_grads, reshard=reshard)
     return plain_module_tensors(module, include_grads=include_grads)
 
 

@@ -150,8 +150,9 @@ def _fsdp1_units(module: nn.Module) -> Iterator[tuple[str, Any, Any]]:
             yield _clean(name).rstrip("."), m, handle
 
 
-def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
-    """Leave the unit with its flat parameter on the local shard and no unsharded copy allocated."""
+def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any, free_unsharded: bool = True) -> None:
+    """Leave the unit with its flat parameter on the local shard and (with free_unsharded) no unsharded
+    copy allocated."""
     fp = handle.flat_param
     if not handle.uses_sharded_strategy or not hasattr(fp, "_local_shard"):
         # NO_SHARD has no separate full buffer; before lazy init the flat parameter *is* the shard.
@@ -160,8 +161,8 @@ def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
     # After a forward the root points back at its shard but keeps the all-gathered buffer allocated, and
     # the next forward reuses that buffer without an all-gather (FlatParamHandle.needs_unshard()).
     full = [getattr(fp, a, None) for a in ("_full_param_padded", "_full_prec_full_param_padded")]
-    if on_shard and not any(t is not None and t.untyped_storage().size() > 0 for t in full):
-        return
+    if on_shard and (not free_unsharded or not any(t is not None and t.untyped_storage().size() > 0 for t in full)):
+        return  # reads need only the shard; writes also need the stale unsharded copy gone
     idle_state = getattr(state, "training_state", None)
     idle_handle = getattr(handle, "_training_state", None)
     if getattr(idle_state, "name", "IDLE") != "IDLE" or getattr(idle_handle, "name", "IDLE") != "IDLE":
@@ -180,7 +181,7 @@ def _fsdp1_ensure_sharded(path: str, state: Any, handle: Any) -> None:
         _reshard(state, handle, True)
 
 
-def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
+def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool = True) -> list[tuple[str, torch.Tensor]]:
     """This rank's FSDP1 device state: every unit's local flat-parameter shard, then plain params and buffers.
 
     Names follow the core's plain-module convention with FSDP's wrapper prefix removed:
@@ -194,7 +195,7 @@ def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple
     grads: list[tuple[str, torch.Tensor]] = []
     managed: set[int] = set()
     for path, state, handle in _fsdp1_units(module):
-        _fsdp1_ensure_sharded(path, state, handle)
+        _fsdp1_ensure_sharded(path, state, handle, free_unsharded=reshard)
         fp = handle.flat_param
         name = f"{path}._flat_param" if path else "_flat_param"
         out.append((name, fp))
@@ -243,7 +244,8 @@ def _fsdp2_ensure_sharded(path: str, module: nn.Module, group: Any) -> None:
     group.reshard()  # what FSDPModule.reshard() does for each group: a local free, no collective
 
 
-def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple[str, torch.Tensor]]:
+def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool = True) -> list[tuple[str, torch.Tensor]]:
+    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below).
     """This rank's FSDP2 device state: each parameter's padded local shard, then plain params and buffers.
 
     Names are the ordinary parameter and buffer names (every name of a tied one); with ``include_grads``
@@ -255,6 +257,8 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool) -> list[tuple
     _reject_other_wrappers(module, "fsdp2")
     by_param: dict[int, Any] = {}
     for path, m, group in _fsdp2_groups(module):
+        # Always, reads too: while a group is unsharded its registered parameters are the unsharded
+        # tensors, so the shards could not be named the same way as for a write.
         _fsdp2_ensure_sharded(path, m, group)
         for fsdp_param in group.fsdp_params:
             by_param[id(fsdp_param.sharded_param)] = fsdp_param

@@ -62,6 +62,19 @@ class GpuOffloadSlotsMixin:
             slots = self.__dict__["_gpu_offload_slots"] = {}
         return slots
 
+    @cpu_saved_models.setter
+    def cpu_saved_models(self, slots: dict[Hashable, Snapshot]) -> None:
+        # verl code paths reset the slots with `self.cpu_saved_models = {}`: free what is dropped.
+        old = self.__dict__.get("_gpu_offload_slots") or {}
+        new = dict(slots)
+        if any(not isinstance(v, Snapshot) for v in new.values()):
+            raise OffloadError("cpu_saved_models holds gpu_offload Snapshots (from save_model_to_cpu) only")
+        kept = {id(v) for v in new.values()}
+        for snap in old.values():
+            if id(snap) not in kept:
+                snap.free()
+        self.__dict__["_gpu_offload_slots"] = new
+
     def save_model_to_cpu(self, n: Hashable) -> None:
         """Copies the current weights into slot n (replacing what it held). Non-destructive; returns once
         the copy is enqueued, ordered before any later change to the weights."""
