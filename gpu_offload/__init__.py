@@ -14,7 +14,7 @@ from typing import Any
 from ._errors import LayoutMismatchError, OffloadError
 from ._ext import _C
 from ._version import __version__
-from .api import is_offloaded, offload, offloaded_bytes, reload, restore, snapshot
+from .api import is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
 from .arena import Arena, default_arena
 from .persist import load
 from .snapshot import Snapshot
@@ -29,12 +29,14 @@ __all__ = [
     "cuda_available",
     "default_arena",
     "is_offloaded",
+    "join",
     "load",
     "offload",
     "offloaded_bytes",
     "reload",
     "restore",
     "snapshot",
+    "swap",
 ]
 
 

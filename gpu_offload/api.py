@@ -20,7 +20,7 @@ from ._errors import OffloadError
 from .adapters import named_tensors, shard_info
 from .arena import Arena, Region, default_arena
 from .snapshot import Snapshot
-from .storages import bind, extent_problem, match
+from .storages import bind, extent_problem, match, unwrap
 
 logger = logging.getLogger("gpu_offload")
 
@@ -76,8 +76,39 @@ def _empty_cache(devices: list[torch.device]) -> None:
         torch.cuda.empty_cache()
 
 
+# Copies of snapshot(..., overlap=True) that later work on the current stream has not been made to wait
+# for yet. Anything that may write the weights joins them first: every optimizer step (a global pre-hook,
+# registered on first use), and restore / offload / reload / swap.
+_overlapped: list[Any] = []
+_overlap_lock = threading.Lock()
+_overlap_hook: Any = None
+
+
+def join() -> None:
+    """Makes the current streams wait (on the GPU, the CPU is not blocked) for the copies of every
+    `snapshot(..., overlap=True)` still in flight. Called for you before each optimizer step and by
+    restore/offload/reload/swap; call it yourself before changing the weights any other way."""
+    with _overlap_lock:
+        events, _overlapped[:] = list(_overlapped), []
+    pending = [e for e in events if not e.query()]
+    if pending:
+        _plan.join(pending)
+
+
+def _step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    join()
+
+
+def _defer(events: list[Any]) -> None:
+    global _overlap_hook
+    with _overlap_lock:
+        _overlapped.extend(events)
+        if _overlap_hook is None:
+            _overlap_hook = torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook)
+
+
 def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena] = None,
-             checksum: bool = False) -> Snapshot:
+             checksum: bool = False, overlap: bool = False) -> Snapshot:
     """Copies the target's device state into pinned host memory, without changing the target.
 
     The copy is ordered after the work already enqueued on each device's current stream, and later work
@@ -92,6 +123,11 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         checksum: also record a checksum of every storage, computed from the source as it is copied (on a
             GPU by a kernel enqueued just before the copy); `Snapshot.verify()`, `restore(verify=True)`
             and `load` check against it. See gpu_offload.integrity.
+        overlap: let work enqueued after this call (a forward and backward, which read the weights but
+            do not change them) run alongside the copy instead of waiting for it. The next
+            `optimizer.step()` of any optimizer, and any restore/offload/reload/swap, waits for the copy
+            on the GPU first, so the snapshot stays the state as of this call; anything else that
+            changes the weights in place must call `gpu_offload.join()` first.
 
     Raises:
         OffloadError: unsupported target or tensor, an offloaded target, or arena/host memory exhausted.
@@ -105,10 +141,12 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     try:
         # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
         sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
-        events = plans.run(True, region.ptr)
+        events = plans.run(True, region.ptr, stream_waits=not overlap)
     except BaseException:
         region.release()
         raise
+    if overlap and events:
+        _defer(events)
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     return Snapshot(layout, region, events, sums)
 
@@ -129,6 +167,7 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
     """
     if not isinstance(snap, Snapshot):
         raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
+    join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     region = snap._live()
     resolved = _resolve_live(target, snap.layout.has_grads, "restore")
@@ -164,6 +203,7 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
             that cannot be resized, or arena/host memory exhausted. Nothing has changed then.
     """
+    join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     with _registry_lock:
@@ -207,6 +247,7 @@ def reload(target: Any) -> None:
         OffloadError: nothing in the target is offloaded, or the device is out of memory (then the target
             stays offloaded with its data intact, and a retry after freeing memory succeeds).
     """
+    join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     named = named_tensors(target, include_grads=True)
     with _registry_lock:
@@ -249,6 +290,52 @@ def reload(target: Any) -> None:
 
 
 # -- exception safety: undoing a half-done offload or reload ----------------------------------------------
+def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_grads: bool = False,
+         arena: Optional[Arena] = None) -> None:
+    """Offloads `out_target` while reloading `in_target` (e.g. the policy leaves as the reference model
+    comes back). On a GPU the two batches run at once, device-to-host and host-to-device on the two copy
+    engines; later work on the current stream waits for both.
+
+    The incoming storages are allocated before the outgoing ones are released (so that no block is
+    written before it has been read), which needs room for both on the device. Where there is none, swap
+    falls back to offload then reload, one after the other. CPU targets simply do the two in turn.
+
+    Raises:
+        OffloadError: `in_target` has nothing offloaded, `out_target` cannot be offloaded (then nothing
+            has moved), or the device is out of memory even for the sequential fallback (then
+            `out_target` is offloaded and `in_target` still offloaded, its data intact).
+    """
+    join()
+    start = time.perf_counter()
+    # Validate both before anything moves.
+    _resolve_live(out_target, include_grads, "swap out")
+    named_in = named_tensors(in_target, include_grads=True)
+    bind_in = bind(named_in, {k: r.nbytes for k, r in _offloaded.items()})
+    with _registry_lock:
+        # Exactly what is offloaded now: put back as it was if the second half fails.
+        was_offloaded = {name: t for name, t in named_in if unwrap(t).untyped_storage()._cdata in _offloaded}
+    if not was_offloaded:
+        raise OffloadError("cannot swap in: nothing in in_target is offloaded")
+    try:
+        with _plan.deferred_join():
+            reload(in_target)  # allocates first: nothing is freed before the copies that read it
+            try:
+                offload(out_target, empty_cache=False, include_grads=include_grads, arena=arena)
+            except BaseException:
+                offload(was_offloaded, empty_cache=False, arena=arena)  # as before the call
+                raise
+    except OffloadError as exc:
+        if not isinstance(exc.__cause__, (torch.OutOfMemoryError, MemoryError)):
+            raise
+        logger.debug("swap: no room for both targets (%s); offloading, then reloading", exc.__cause__)
+        offload(out_target, empty_cache=empty_cache, include_grads=include_grads, arena=arena)
+        reload(in_target)
+        return
+    if empty_cache:
+        _empty_cache(bind_in.layout.devices)
+    logger.debug("swap: %.3f ms to enqueue", (time.perf_counter() - start) * 1e3)
+
+
 def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Region, events: list[Any]) -> None:
     """Puts back an offload interrupted after its copy: storages already released are re-allocated and
     refilled from the region (which the copy filled), the registry entries dropped, the region freed.

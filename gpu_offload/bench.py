@@ -167,10 +167,11 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
     pinned = device.type == "cuda"
     limits: dict[str, float] = {}
 
-    def add(method: str, direction: str, seconds: float, note: str = "") -> None:
-        gbps = nbytes / seconds / 1e9
+    def add(method: str, direction: str, seconds: float, note: str = "", moved: Optional[int] = None) -> None:
+        moved = nbytes if moved is None else moved
+        gbps = moved / seconds / 1e9
         ratio = gbps / limits[direction] if direction in limits and method != "limit" else None
-        result.rows.append(Row(method, direction, seconds, nbytes, gbps, ratio, note))
+        result.rows.append(Row(method, direction, seconds, moved, gbps, ratio, note))
 
     # The limit: one contiguous copy of the same bytes, each way.
     step("limit")
@@ -210,7 +211,63 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
               setup=lambda: api.is_offloaded(tensors) or api.offload(tensors, arena=arena)))
     if api.is_offloaded(tensors):
         api.reload(tensors)
-    result.info["arena"] = arena.stats()
+    result.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
+
+    if device.type == "cuda":
+        # Both directions at once: the limit is one D2H and one H2D of the same bytes on two streams; the
+        # engine swaps this layout out while a second copy of it comes back in.
+        step("gpu_offload.swap")
+        a, b = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ha, hb = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both() -> None:
+            with torch.cuda.stream(s1):
+                ha.copy_(a, non_blocking=True)
+            with torch.cuda.stream(s2):
+                b.copy_(hb, non_blocking=True)
+
+        t = _time(both, device, repeats)
+        limits["both"] = 2 * nbytes / t / 1e9
+        add("limit", "both", t, "one D2H and one H2D of the same bytes on two streams", moved=2 * nbytes)
+        del a, b, ha, hb
+        other = make_tensors(layout, device)
+        api.offload(other, arena=arena)
+        pair = [tensors, other]
+
+        def swap_once() -> None:
+            api.swap(pair[0], pair[1], arena=arena)
+            pair.reverse()
+
+        add("gpu_offload.swap", "both", _time(swap_once, device, repeats), "offload one while reloading another",
+            moved=2 * nbytes)
+        if api.is_offloaded(tensors):
+            api.swap(other, tensors, arena=arena)
+        api.reload(other) if api.is_offloaded(other) else None
+        del other, pair
+
+        # A fresh arena: the first snapshot pins its memory (what a new process pays once), against
+        # allocating a pinned buffer with torch and copying into it.
+        step("first snapshot, fresh arena")
+        cold = Arena()
+
+        def first() -> None:
+            api.snapshot(tensors, arena=cold).wait().free()
+
+        add("first snapshot, fresh arena", "d2h", _time(first, device, 1, warmup=0), "pinning included")
+        result.info["cold_arena"] = cold.stats()
+        del cold
+
+        def torch_pinned() -> None:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            off = 0
+            for t_ in tensors.values():
+                n = t_.numel() * t_.element_size()
+                host[off:off + n].copy_(t_.reshape(-1).view(torch.uint8), non_blocking=True)
+                off += n
+
+        add("torch.empty(pin_memory=True) + copy", "d2h", _time(torch_pinned, device, 1, warmup=0),
+            "pinning included")
 
     if baselines:
         step("baselines")

@@ -11,12 +11,14 @@ The cache holds no strong reference to tensors or storages: dropping a model dro
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -45,15 +47,47 @@ class CopyPlans:
 
     def run(self, to_host: bool, host_base: int, waits: Sequence[Any] = (), stream_waits: bool = True) -> list[Any]:
         """Runs every group; returns the device groups' completion events (host groups are done when this
-        returns). Device groups are ordered after their current stream's pending work."""
+        returns). Device groups are ordered after their current stream's pending work; the current stream
+        waits for them unless stream_waits is False or a deferred_join() scope collects them instead."""
         events: list[Any] = []
         wait_list = [e for e in waits if e is not None]
+        scope = _join_scope.get()
         for device, plan in self.groups:
             stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
-            event = plan.run(to_host, host_base, stream, wait_list, stream_waits)
+            event = plan.run(to_host, host_base, stream, wait_list, stream_waits and scope is None)
             if event is not None:
                 events.append(event)
+                if scope is not None and stream_waits:
+                    scope.append(event)
         return events
+
+
+# Events whose join into the current stream is deferred to the end of a deferred_join() scope.
+_join_scope: "contextvars.ContextVar[Optional[list[Any]]]" = contextvars.ContextVar("gpu_offload_join", default=None)
+
+
+def join(events: Sequence[Any]) -> None:
+    """Makes each device's current stream wait (on the GPU) for the given copy events."""
+    by_device: dict[int, list[Any]] = {}
+    for e in events:
+        if e is not None:
+            by_device.setdefault(e.device, []).append(e)
+    for device, evs in by_device.items():
+        # An empty batch that waits for the events and that the current stream then waits for.
+        _C.CopyPlan(device, [], [], []).run(True, 0, torch.cuda.current_stream(device).cuda_stream, evs, True)
+
+
+@contextlib.contextmanager
+def deferred_join() -> Iterator[None]:
+    """Within the scope, copies do not make the current stream wait for them one by one; at its end the
+    current streams wait for all of them at once. Lets a D2H and an H2D batch run together (swap)."""
+    events: list[Any] = []
+    token = _join_scope.set(events)
+    try:
+        yield
+    finally:
+        _join_scope.reset(token)
+        join(events)
 
 
 def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyPlans:
