@@ -286,6 +286,9 @@ def reload(target: Any) -> None:
                 del _offloaded[key]
             for _ in items:
                 region.release(events)
+    # The storages are live again at new addresses: remember the target's plan so that the next call on
+    # it (a snapshot or the next offload) needs no fresh bind.
+    _plan.remember(named, bound, shard_info=lambda: shard_info(target))
     _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(layout.tensors), len(records), True)
 
 

@@ -229,22 +229,34 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                 _stats["hits"] += 1
                 return Resolved(plan, plain, storages, True)
     bound = bind(named, nbytes_of)
+    _stats["misses"] += 1
+    plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None)
+    return Resolved(plan, _plain(tensors), bound.storages, False)
+
+
+def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
+             shard_info: Optional[Callable[[], Optional[str]]] = None) -> None:
+    """Caches the plan of a target whose storages were just (re)allocated (reload), so that the next call
+    on it needs no fresh bind."""
+    _new_plan([n for n, _ in named], [t for _, t in named], bound, shard_info, cache=True)
+
+
+def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
+              shard_info: Optional[Callable[[], Optional[str]]], cache: bool) -> TargetPlan:
     if shard_info is not None:
         info = shard_info()
         if info is not None:
             bound.layout = dataclasses.replace(bound.layout, shard_info=info)
-    _stats["misses"] += 1
-    if plain is None or ptrs is None:
-        plain = _plain(tensors)
-        ptrs = list(map(torch.Tensor.data_ptr, plain))
-    plan = TargetPlan(names, tensors, ptrs, bound)
-    if (nbytes_of is None and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
+    plan = TargetPlan(names, tensors, list(map(torch.Tensor.data_ptr, _plain(tensors))), bound)
+    # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering.
+    if (cache and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
+            and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))
             and extent_problem(bound.layout) is None):
         with _cache_lock:
             _cache[tuple(map(id, tensors))] = plan
             while len(_cache) > _MAX_CACHED:
                 _cache.popitem(last=False)
-    return Resolved(plan, plain, bound.storages, False)
+    return plan
 
 
 def cache_info() -> dict[str, int]:
