@@ -59,15 +59,64 @@ std::string to_string(PinMode mode) {
   return "?";
 }
 
+namespace {
+
+// One number from a cgroup file ("max" means no limit).
+bool read_cgroup_value(const char* path, std::size_t* value) {
+  std::ifstream file(path);
+  std::string text;
+  if (!(file >> text) || text == "max") return false;
+  try {
+    *value = static_cast<std::size_t>(std::stoull(text));
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
+// Page cache the kernel can drop on demand: charged to the cgroup, but no obstacle to pinning.
+std::size_t cgroup_reclaimable(const char* stat_path, const char* key) {
+  std::ifstream stat(stat_path);
+  std::string name;
+  std::size_t value = 0;
+  while (stat >> name >> value) {
+    if (name == key) return value;
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::size_t cgroup_headroom(const std::string& root) {
+  std::size_t limit = 0, usage = 0;
+  if (read_cgroup_value((root + "/memory.max").c_str(), &limit) &&
+      read_cgroup_value((root + "/memory.current").c_str(), &usage)) {
+    usage -= std::min(usage, cgroup_reclaimable((root + "/memory.stat").c_str(), "inactive_file"));
+    return limit > usage ? limit - usage : 1;
+  }
+  // cgroup v1 reports "no limit" as a huge number rather than "max".
+  if (read_cgroup_value((root + "/memory/memory.limit_in_bytes").c_str(), &limit) &&
+      read_cgroup_value((root + "/memory/memory.usage_in_bytes").c_str(), &usage) && limit < (std::size_t(1) << 60)) {
+    usage -= std::min(usage, cgroup_reclaimable((root + "/memory/memory.stat").c_str(), "total_inactive_file"));
+    return limit > usage ? limit - usage : 1;
+  }
+  return 0;
+}
+
 std::size_t available_host_memory() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
-  std::size_t value = 0;
+  std::size_t value = 0, available = 0;
   std::string unit;
   while (meminfo >> key >> value >> unit) {
-    if (key == "MemAvailable:") return value * 1024;
+    if (key == "MemAvailable:") {
+      available = value * 1024;
+      break;
+    }
   }
-  return 0;
+  const std::size_t headroom = cgroup_headroom("/sys/fs/cgroup");
+  if (headroom != 0 && (available == 0 || headroom < available)) return headroom;
+  return available;
 }
 
 HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
@@ -107,7 +156,8 @@ void HostArena::add_slab(std::size_t size) {
   const std::size_t available = available_host_memory();
   GO_CHECK(available == 0 || size <= available,
            "refusing to pin " + human(size) + ": the machine has only " + human(available) +
-               " available (MemAvailable); free host memory or lower the arena's max_bytes");
+               " available (MemAvailable, or the memory cgroup's headroom if lower); free host memory or "
+               "lower the arena's max_bytes");
   const auto start = std::chrono::steady_clock::now();
   Slab slab;
   slab.size = size;

@@ -95,7 +95,12 @@ class HostArena {
   double pin_seconds_ = 0.0;
 };
 
-// MemAvailable from /proc/meminfo in bytes (0 when unknown).
+// Host memory that can still be taken, in bytes: MemAvailable from /proc/meminfo, or the memory cgroup's
+// headroom where that is lower (containers); 0 when unknown.
 std::size_t available_host_memory();
+
+// Room left under the memory cgroup mounted at root (v2 files, else v1's memory/ controller), page cache
+// not counted; 0 when there is no limit. Inside a container MemAvailable is the host's figure.
+std::size_t cgroup_headroom(const std::string& root);
 
 }  // namespace gpu_offload

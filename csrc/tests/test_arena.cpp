@@ -1,4 +1,9 @@
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -103,6 +108,27 @@ TEST_CASE(errors_carry_file_line_and_expression) {
   }
   CHECK(what.find("arena.cpp:") != std::string::npos);
   CHECK(what.find("check `") != std::string::npos);
+}
+
+TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
+  char dir_template[] = "/tmp/go_cgroup_XXXXXX";
+  const std::string root = mkdtemp(dir_template);
+  auto write = [&](const std::string& name, const std::string& text) { std::ofstream(root + "/" + name) << text; };
+  CHECK(gpu_offload::cgroup_headroom(root) == 0);  // no files: no limit known
+  write("memory.max", "max\n");
+  write("memory.current", "1000\n");
+  CHECK(gpu_offload::cgroup_headroom(root) == 0);  // v2 without a limit
+  write("memory.max", "10000\n");
+  write("memory.stat", "anon 500\ninactive_file 400\nactive_file 100\n");
+  CHECK(gpu_offload::cgroup_headroom(root) == 10000 - (1000 - 400));  // reclaimable page cache not counted
+  std::remove((root + "/memory.max").c_str());
+  mkdir((root + "/memory").c_str(), 0700);
+  write("memory/memory.limit_in_bytes", "9223372036854771712\n");  // v1's "no limit"
+  write("memory/memory.usage_in_bytes", "5000\n");
+  CHECK(gpu_offload::cgroup_headroom(root) == 0);
+  write("memory/memory.limit_in_bytes", "8000\n");
+  write("memory/memory.stat", "total_inactive_file 1000\n");
+  CHECK(gpu_offload::cgroup_headroom(root) == 8000 - 4000);
 }
 
 int main() { return check::run_all(); }
