@@ -19,17 +19,12 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
+from .plan import device_index
 from .storages import Layout
 
 logger = logging.getLogger("gpu_offload")
 
 _MAX_REPORT = 5
-
-
-def _device_index(device: torch.device) -> int:
-    if device.type == "cpu":
-        return -1
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class Checksums:
@@ -61,7 +56,7 @@ def compute(layout: Layout, ptrs: Sequence[int]) -> Checksums:
     """
     groups: dict[int, list[int]] = {}
     for i, spec in enumerate(layout.storages):
-        groups.setdefault(_device_index(spec.device), []).append(i)
+        groups.setdefault(device_index(spec.device), []).append(i)
     values: list[Optional[int]] = [None] * len(layout.storages)
     jobs: list[tuple[list[int], Any]] = []
     for device, indices in sorted(groups.items()):

@@ -29,7 +29,7 @@ from .storages import Bound, Layout, bind, extent_problem, unwrap
 _MAX_CACHED = 32
 
 
-def _device_index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
     if device.type == "cpu":
         return -1
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -96,7 +96,7 @@ def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyP
     for device, ptr, offset, nbytes in entries:
         if nbytes == 0:
             continue
-        ptrs, offsets, sizes = by_device.setdefault(_device_index(device), ([], [], []))
+        ptrs, offsets, sizes = by_device.setdefault(device_index(device), ([], [], []))
         ptrs.append(ptr)
         offsets.append(offset)
         sizes.append(nbytes)

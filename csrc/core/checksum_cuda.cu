@@ -14,19 +14,9 @@
 #include <vector>
 
 #include "checksum.hpp"
+#include "cuda_check.cuh"
 #include "errors.hpp"
 
-// Raises with the CUDA error's name and string, and clears it so a later call does not see it again.
-#define GO_CHECKSUM_CUDA_CHECK(call)                                                            \
-  do {                                                                                          \
-    cudaError_t status_ = (call);                                                               \
-    if (status_ != cudaSuccess) {                                                               \
-      (void)cudaGetLastError();                                                                 \
-      ::gpu_offload::throw_error(__FILE__, __LINE__, #call,                                     \
-                                 std::string("CUDA error ") + cudaGetErrorName(status_) + ": " + \
-                                     cudaGetErrorString(status_));                              \
-    }                                                                                           \
-  } while (0)
 
 namespace gpu_offload::cuda {
 namespace {
@@ -70,8 +60,8 @@ __global__ void __launch_bounds__(kThreads)
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    GO_CHECKSUM_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) GO_CHECKSUM_CUDA_CHECK(cudaSetDevice(device));
+    GO_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) GO_CUDA_CHECK(cudaSetDevice(device));
   }
   ~DeviceGuard() { cudaSetDevice(previous_); }
 
@@ -100,7 +90,7 @@ Scratch* acquire(int device, std::size_t words, int* sm_count) {
   Pool& pool = g_pools[device];
   std::lock_guard<std::mutex> lock(pool.mutex);
   if (pool.sm_count == 0) {
-    GO_CHECKSUM_CUDA_CHECK(cudaDeviceGetAttribute(&pool.sm_count, cudaDevAttrMultiProcessorCount, device));
+    GO_CUDA_CHECK(cudaDeviceGetAttribute(&pool.sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   *sm_count = pool.sm_count;
   for (auto& item : pool.items) {
@@ -115,13 +105,13 @@ Scratch* acquire(int device, std::size_t words, int* sm_count) {
   auto item = std::make_unique<Scratch>();
   std::size_t capacity = 1024;
   while (capacity < words) capacity *= 2;
-  GO_CHECKSUM_CUDA_CHECK(cudaMalloc(&item->device, capacity * sizeof(unsigned long long)));
+  GO_CUDA_CHECK(cudaMalloc(&item->device, capacity * sizeof(unsigned long long)));
   cudaError_t status = cudaMallocHost(&item->host, capacity * sizeof(unsigned long long));
   if (status == cudaSuccess) status = cudaEventCreateWithFlags(&item->event, cudaEventDisableTiming);
   if (status != cudaSuccess) {
     if (item->host != nullptr) cudaFreeHost(item->host);
     cudaFree(item->device);
-    GO_CHECKSUM_CUDA_CHECK(status);
+    GO_CUDA_CHECK(status);
   }
   item->words = capacity;
   item->in_use = true;
@@ -152,14 +142,14 @@ class DeviceChecksumJob final : public ChecksumJob {
       (void)cudaGetLastError();
       return false;
     }
-    GO_CHECKSUM_CUDA_CHECK(status);
+    GO_CUDA_CHECK(status);
     return true;
   }
 
   std::vector<std::uint64_t> wait() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!done_) {
-      GO_CHECKSUM_CUDA_CHECK(cudaEventSynchronize(scratch_->event));
+      GO_CUDA_CHECK(cudaEventSynchronize(scratch_->event));
       const std::size_t n = sizes_.size();
       const unsigned long long* sums = scratch_->host + 3 * n + 1;
       result_.resize(n);
@@ -211,17 +201,17 @@ std::shared_ptr<ChecksumJob> checksum_device_async(int device, const std::vector
     }
     host[3 * n] = chunk;
     const std::size_t bytes = table_words(n) * sizeof(unsigned long long);
-    GO_CHECKSUM_CUDA_CHECK(cudaMemcpyAsync(scratch->device, host, bytes, cudaMemcpyHostToDevice, user));
+    GO_CUDA_CHECK(cudaMemcpyAsync(scratch->device, host, bytes, cudaMemcpyHostToDevice, user));
     if (total_chunks != 0) {
       const unsigned long long most = static_cast<unsigned long long>(sm_count) * kBlocksPerSm;
       const unsigned int grid = static_cast<unsigned int>(total_chunks < most ? total_chunks : most);
       checksum_kernel<<<grid, kThreads, 0, user>>>(reinterpret_cast<const std::uint64_t*>(scratch->device), n,
                                                    scratch->device + 3 * n + 1);
-      GO_CHECKSUM_CUDA_CHECK(cudaGetLastError());
+      GO_CUDA_CHECK(cudaGetLastError());
     }
-    GO_CHECKSUM_CUDA_CHECK(cudaMemcpyAsync(host + 3 * n + 1, scratch->device + 3 * n + 1, n * sizeof(unsigned long long),
+    GO_CUDA_CHECK(cudaMemcpyAsync(host + 3 * n + 1, scratch->device + 3 * n + 1, n * sizeof(unsigned long long),
                                            cudaMemcpyDeviceToHost, user));
-    GO_CHECKSUM_CUDA_CHECK(cudaEventRecord(scratch->event, user));
+    GO_CUDA_CHECK(cudaEventRecord(scratch->event, user));
   } catch (...) {
     // Whatever was enqueued may still use the scratch: mark its end before handing it back.
     if (cudaEventRecord(scratch->event, user) != cudaSuccess) (void)cudaGetLastError();

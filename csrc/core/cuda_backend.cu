@@ -7,23 +7,13 @@
 #include <string>
 
 #include "cuda_backend.hpp"
+#include "cuda_check.cuh"
 #include "errors.hpp"
 
 #ifndef GPU_OFFLOAD_CUDA_ARCHS
 #define GPU_OFFLOAD_CUDA_ARCHS "unknown"
 #endif
 
-// Raises with the CUDA error's name and string, and clears it so a later call does not see it again.
-#define GO_CUDA_CHECK(call)                                                                     \
-  do {                                                                                          \
-    cudaError_t status_ = (call);                                                               \
-    if (status_ != cudaSuccess) {                                                               \
-      (void)cudaGetLastError();                                                                 \
-      ::gpu_offload::throw_error(__FILE__, __LINE__, #call,                                     \
-                                 std::string("CUDA error ") + cudaGetErrorName(status_) + ": " + \
-                                     cudaGetErrorString(status_));                              \
-    }                                                                                           \
-  } while (0)
 
 namespace gpu_offload::cuda {
 namespace {
