@@ -57,18 +57,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GO_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) GO_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 // A device table and its pinned host twin, with the event of the last job that used them. Kept for the
 // life of the process (a few KiB each); a job takes one that is free and whose last use has finished.
 struct Scratch {

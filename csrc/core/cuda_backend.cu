@@ -20,19 +20,6 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// Makes `device` current for the scope and puts the caller's device back afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GO_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) GO_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 // One non-blocking stream per device and direction, so D2H and H2D run on both copy engines at once.
 // Created on first use; never destroyed (they live as long as the process, like torch's pool streams).
 struct DeviceStreams {

@@ -1,4 +1,4 @@
-// GO_CUDA_CHECK for the .cu files: raises gpu_offload::Error with the file, line, failed call and the CUDA
+// Shared by the .cu files. GO_CUDA_CHECK: raises gpu_offload::Error with the file, line, failed call and the CUDA
 // error's name and string, and clears the error so a later call does not see it again.
 #pragma once
 
@@ -18,3 +18,20 @@
                                      cudaGetErrorString(status_));                              \
     }                                                                                           \
   } while (0)
+
+namespace gpu_offload::cuda {
+
+// Makes `device` current for the scope and puts the caller's device back afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GO_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) GO_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace gpu_offload::cuda
