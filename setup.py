@@ -19,6 +19,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+DEFAULT_CUDA_ARCHS = "80-real;90"  # SASS for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT from it)
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "gpu_offload" / "_version.py").read_text()).group(1)
 
 
@@ -61,9 +62,9 @@ class CMakeBuild(build_ext):
             args.append("-GNinja")
         if with_cuda:
             args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-            archs = os.environ.get("GPU_OFFLOAD_CUDA_ARCHS")
-            if archs:
-                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+            # Always passed: a value cached by an earlier configure must not outlive the variable.
+            archs = os.environ.get("GPU_OFFLOAD_CUDA_ARCHS") or DEFAULT_CUDA_ARCHS
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
         cache = build_dir / "CMakeCache.txt"
         if cache.exists() and f"GPU_OFFLOAD_WITH_CUDA:BOOL={'ON' if with_cuda else 'OFF'}" not in cache.read_text():
             shutil.rmtree(build_dir)  # switching CUDA on/off needs a fresh configure
