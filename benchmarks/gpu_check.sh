@@ -2,7 +2,8 @@
 # The one GPU check: build the extension on the lent H200, run the cuda-marked tests and the whole suite, run
 # the GPU benchmark on every layout, and print a short table last. Writes everything under $OUT (or ./out).
 #   run from the repo root:  bash benchmarks/gpu_check.sh
-# Budget: about 5 minutes on an H200 (build ~1 min, tests ~1 min, strategies ~30 s, bench ~2 min).
+# Budget: about 7 minutes on an H200 (build ~1 min, tests ~1 min, strategies ~30 s, soak and threads
+# ~2.5 min, bench ~2 min); run it with timeout_s=540.
 # megatron-core is not on the H200: carry it as wheels first (here, in the repo root):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -41,6 +42,10 @@ $PY -m pytest -q -p no:cacheprovider -x tests 2>&1 | tail -15 | tee "$OUT/pytest
 log "strategies on the GPU (FSDP1, FSDP2, megatron-core DDP; NCCL, world size 1)"
 timeout 240 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies-h200.json" 2>&1 | grep -v Warning | tail -8 \
   | tee "$OUT/strategies.txt"
+
+log "soak (1000 cycles, leak check, checksum overhead) and two threads for 30 s"
+timeout 150 $PY benchmarks/soak.py --device cuda --cycles 1000 --json "$OUT/soak-h200.json" 2>&1 | tail -12 | tee "$OUT/soak.txt"
+timeout 60 $PY benchmarks/stress_threads.py --device cuda --seconds 30 2>&1 | tail -4 | tee "$OUT/threads.txt"
 
 log "benchmark"
 timeout 300 $PY -m gpu_offload bench --device cuda --layout all --repeats 5 \
