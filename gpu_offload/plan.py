@@ -123,7 +123,11 @@ class TargetPlan:
 
     def __init__(self, names: list[str], tensors: list[torch.Tensor], ptrs: list[int], bound: Bound) -> None:
         self.names = names
-        self.refs = [weakref.ref(t) for t in tensors]
+        # The cache key is the tensors' ids; when any of them dies its id may be reused, so the plan leaves
+        # the cache then (the weakref callback) and a hit needs no identity check per tensor.
+        key = tuple(map(id, tensors))
+        self.key = key
+        self.refs = [weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors]
         self.ptrs = ptrs
         self.layout: Layout = bound.layout
         self.keys = bound.keys
@@ -183,18 +187,31 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPE_SET = set(_PLAIN_TYPES)
 
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards. (A
     DTensor's own data_ptr() is 0 and its untyped_storage() describes no real memory.)"""
-    if all(type(t) in _PLAIN_TYPES for t in tensors):
+    if set(map(type, tensors)) <= _PLAIN_TYPE_SET:
         return tensors
     return [t if type(t) in _PLAIN_TYPES else unwrap(t) for t in tensors]
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
 _cache_lock = threading.Lock()
+# Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
+# append here; the cache itself is pruned at the next lookup, under the lock).
+_dead_keys: list[tuple[int, ...]] = []
+
+
+def _forget(key: tuple[int, ...]) -> None:
+    _dead_keys.append(key)
+
+
+def _prune() -> None:
+    while _dead_keys:
+        _cache.pop(_dead_keys.pop(), None)
 _stats = {"hits": 0, "misses": 0}
 
 
@@ -206,8 +223,7 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     on a fresh bind only, gives the strategy's shard layout to record in the layout. Plans whose tensors
     reach past their storages are not cached (the caller reports them).
     """
-    names = [n for n, _ in named]
-    tensors = [t for _, t in named]
+    names, tensors = _split(named)
     try:
         plain: Optional[list[torch.Tensor]] = _plain(tensors)
         ptrs: Optional[list[int]] = list(map(torch.Tensor.data_ptr, plain))
@@ -216,11 +232,11 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     if nbytes_of is None and plain is not None:
         key = tuple(map(id, tensors))
         with _cache_lock:
+            _prune()
             plan = _cache.get(key)
             if plan is not None:
                 _cache.move_to_end(key)
-        if (plan is not None and plan.ptrs == ptrs and plan.names == names
-                and all(r() is t for r, t in zip(plan.refs, tensors))):
+        if plan is not None and plan.ptrs == ptrs and plan.names == names:
             # Same tensors at the same addresses; the storages must be the same ones with the same sizes
             # too (memory freed and re-allocated at the same address with another size is not the same).
             storages = _first_storages(plan, plain)
@@ -238,7 +254,15 @@ def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
              shard_info: Optional[Callable[[], Optional[str]]] = None) -> None:
     """Caches the plan of a target whose storages were just (re)allocated (reload), so that the next call
     on it needs no fresh bind."""
-    _new_plan([n for n, _ in named], [t for _, t in named], bound, shard_info, cache=True)
+    names, tensors = _split(named)
+    _new_plan(names, tensors, bound, shard_info, cache=True)
+
+
+def _split(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
+    names = getattr(named, "names", None)
+    if names is not None:  # adapters.Named: already two lists
+        return names, named.tensors  # type: ignore[attr-defined]
+    return [n for n, _ in named], [t for _, t in named]
 
 
 def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
@@ -253,7 +277,8 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
             and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))
             and extent_problem(bound.layout) is None):
         with _cache_lock:
-            _cache[tuple(map(id, tensors))] = plan
+            _prune()
+            _cache[plan.key] = plan
             while len(_cache) > _MAX_CACHED:
                 _cache.popitem(last=False)
     return plan

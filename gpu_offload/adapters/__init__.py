@@ -15,25 +15,62 @@ special case here.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from .._errors import OffloadError
 
+_PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+class Named(Sequence[tuple[str, torch.Tensor]]):
+    """A target's (name, tensor) pairs, kept as two parallel lists: a state dict with tens of thousands of
+    tensors is read on every call, and building a tuple per entry costs more than the rest of a cached
+    call (the garbage collector then also walks them)."""
+
+    __slots__ = ("names", "tensors")
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names = names
+        self.tensors = tensors
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[str, torch.Tensor]]) -> "Named":
+        pairs = list(pairs)
+        return cls([n for n, _ in pairs], [t for _, t in pairs])
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(zip(self.names[i], self.tensors[i]))
+        return self.names[i], self.tensors[i]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return zip(self.names, self.tensors)
+
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = True) -> NamedTensors:
+def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = True) -> Named:
     """Flattens `target` into (name, tensor) pairs in a deterministic order.
 
     reshard: let FSDP units left unsharded after a forward be resharded first (needed before writing into
     the shards; reads pass False so that an explicit unshard() is not undone).
     Raises OffloadError for an object that is none of the supported kinds.
     """
+    if isinstance(target, Mapping) and set(map(type, target.values())) <= _PLAIN_TENSOR_TYPES:
+        # A flat dict of plain tensors (a state dict): no per-item dispatch and no per-item tuple
+        # (set(map(type, ...)) runs in C).
+        if set(map(type, target)) <= {str}:
+            return Named(list(target), list(target.values()))
+        return Named([str(k) for k in target], list(target.values()))
     out: NamedTensors = []
     _collect(target, "", include_grads, out, top=True, reshard=reshard)
-    return out
+    return Named.from_pairs(out)
 
 
 def shard_info(target: Any) -> Optional[str]:
@@ -66,13 +103,6 @@ def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top:
     elif _is_optimizer(obj):
         out.extend((prefix + name, t) for name, t in optimizer_tensors(obj))
     elif isinstance(obj, Mapping):
-        if not prefix and all(type(v) is torch.Tensor for v in obj.values()):
-            # A flat dict of plain tensors (a state dict): no per-item dispatch.
-            if all(type(k) is str for k in obj):
-                out.extend(obj.items())
-            else:
-                out.extend((str(k), v) for k, v in obj.items())
-            return
         for key, value in obj.items():
             if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
                 out.append((f"{prefix}{key}", value))
