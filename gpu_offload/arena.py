@@ -9,7 +9,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 from ._errors import OffloadError
-from ._ext import _C
+from ._ext import _C  # type: ignore[attr-defined]
 
 logger = logging.getLogger("gpu_offload")
 

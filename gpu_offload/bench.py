@@ -201,14 +201,20 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
     step("gpu_offload.restore")
     add("gpu_offload.restore", "h2d", _time(lambda: api.restore(tensors, holder["snap"]), device, repeats))
     free_snap()
+    def ensure_resident() -> None:
+        if api.is_offloaded(tensors):
+            api.reload(tensors)
+
+    def ensure_offloaded() -> None:
+        if not api.is_offloaded(tensors):
+            api.offload(tensors, arena=arena)
+
     step("gpu_offload.offload")
     add("gpu_offload.offload", "d2h",
-        _time(lambda: api.offload(tensors, arena=arena), device, repeats,
-              setup=lambda: api.is_offloaded(tensors) and api.reload(tensors)), "empty_cache included")
+        _time(lambda: api.offload(tensors, arena=arena), device, repeats, setup=ensure_resident),
+        "empty_cache included")
     step("gpu_offload.reload")
-    add("gpu_offload.reload", "h2d",
-        _time(lambda: api.reload(tensors), device, repeats,
-              setup=lambda: api.is_offloaded(tensors) or api.offload(tensors, arena=arena)))
+    add("gpu_offload.reload", "h2d", _time(lambda: api.reload(tensors), device, repeats, setup=ensure_offloaded))
     if api.is_offloaded(tensors):
         api.reload(tensors)
     result.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
@@ -243,7 +249,8 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
             moved=2 * nbytes)
         if api.is_offloaded(tensors):
             api.swap(other, tensors, arena=arena)
-        api.reload(other) if api.is_offloaded(other) else None
+        if api.is_offloaded(other):
+            api.reload(other)
         del other, pair
 
         # A fresh arena: the first snapshot pins its memory (what a new process pays once), against

@@ -127,7 +127,10 @@ class TargetPlan:
         # the cache then (the weakref callback) and a hit needs no identity check per tensor.
         key = tuple(map(id, tensors))
         self.key = key
-        self.refs = [weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors]
+        def forget(_: Any) -> None:
+            _forget(key)
+
+        self.refs = [weakref.ref(t, forget) for t in tensors]
         self.ptrs = ptrs
         self.layout: Layout = bound.layout
         self.keys = bound.keys

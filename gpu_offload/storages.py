@@ -141,7 +141,7 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
             host += nbytes
             storages.append(storage)
             keys.append(key)
-        tensors.append(TensorSpec(name, idx, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype))
+        tensors.append(TensorSpec(name, idx, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype))
     return Bound(Layout(tuple(tensors), tuple(specs), host), storages, keys)
 
 

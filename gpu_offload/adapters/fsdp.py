@@ -220,7 +220,7 @@ def _fsdp2_groups(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
     for name, m in module.named_modules():
         if cls is None or not isinstance(m, cls):
             continue
-        state = m._get_fsdp_state()
+        state = m._get_fsdp_state()  # type: ignore[attr-defined]
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch < 2.9 keeps at most one group per state
             group = getattr(state, "_fsdp_param_group", None)
@@ -229,7 +229,7 @@ def _fsdp2_groups(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
             # fully_shard([a, b]) shares one state (and its groups) between several modules.
             if id(g) not in seen:
                 seen.add(id(g))
-                yield name, m, g
+                yield name, m, g  # type: ignore[misc]
 
 
 def _fsdp2_ensure_sharded(path: str, module: nn.Module, group: Any) -> None:
