@@ -162,6 +162,8 @@ def _release_torch_pinned() -> None:
     power of two) for reuse; the baselines of a 15 GB layout would otherwise hold several times that."""
     import gc
 
+    if not torch.cuda.is_available():  # nothing pinned by torch without a GPU (and the call would raise)
+        return
     gc.collect()
     for owner, name in ((getattr(torch, "accelerator", None), "memory.empty_host_cache"),
                         (torch._C, "_host_emptyCache")):
