@@ -11,12 +11,14 @@ namespace gpu_offload {
 ThreadPool& ThreadPool::instance() {
   // GPU_OFFLOAD_NUM_THREADS caps the host threads; default: the cores, at most 16 (memcpy saturates
   // memory bandwidth well before that).
-  static ThreadPool pool([] {
+  // Never destroyed: joining workers from a static destructor at process exit races whatever else is
+  // shutting down (other libraries' threads, an interpreter tearing down); the OS reclaims them.
+  static ThreadPool* pool = new ThreadPool([] {
     std::size_t n = std::max(1u, std::thread::hardware_concurrency());
     if (const char* env = std::getenv("GPU_OFFLOAD_NUM_THREADS")) n = std::max(1L, std::atol(env));
     return std::min<std::size_t>(n, 16) - 1;
   }());
-  return pool;
+  return *pool;
 }
 
 ThreadPool::ThreadPool(std::size_t num_workers) : owner_pid_(static_cast<int>(getpid())) {
