@@ -24,7 +24,7 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
-from .storages import Bound, Layout, bind, extent_problem, unwrap
+from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
 
@@ -189,16 +189,13 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
     return list(map(torch.Tensor.untyped_storage, [plain[i] for i in plan.first_tensor]))
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_TYPE_SET = set(_PLAIN_TYPES)
-
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards. (A
     DTensor's own data_ptr() is 0 and its untyped_storage() describes no real memory.)"""
-    if set(map(type, tensors)) <= _PLAIN_TYPE_SET:
+    if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES:
         return tensors
-    return [t if type(t) in _PLAIN_TYPES else unwrap(t) for t in tensors]
+    return [t if type(t) in PLAIN_TENSOR_TYPES else unwrap(t) for t in tensors]
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()

@@ -80,6 +80,10 @@ class Bound:
     keys: list[int]  # the storages' identities (StorageImpl addresses), stable while they live
 
 
+# Tensor types whose own storage holds their data (anything else, e.g. a DTensor, is unwrapped first).
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def unwrap(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding a wrapper's data: a DTensor's local shard, a Parameter's data."""
     local = getattr(t, "_local_tensor", None)
@@ -101,7 +105,7 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
         raise OffloadError(f"{name}: device {t.device} is not supported (cpu or cuda)")
     if t.is_quantized:
         raise OffloadError(f"{name}: quantized tensors are not supported")
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, torch.nn.Parameter):
+    if type(t) not in PLAIN_TENSOR_TYPES and not isinstance(t, torch.nn.Parameter):
         # Other tensor subclasses (fake, functional, ...) may have no real storage behind them.
         try:
             t.untyped_storage().data_ptr()

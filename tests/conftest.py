@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -66,3 +67,20 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 def expect_cuda_build() -> bool | None:
     value = os.environ.get("GPU_OFFLOAD_EXPECT_CUDA_BUILD")
     return None if value is None else value == "1"
+
+
+def inject_failure(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: int, exc: type[BaseException],
+                   when: Callable[..., bool] = lambda *a, **kw: True) -> dict[str, int]:
+    """Makes the k-th call of owner.name (among those `when` selects) raise exc before doing anything."""
+    original = getattr(owner, name)
+    calls = {"n": 0}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if when(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == k:
+                raise exc(f"injected into call {k} of {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls

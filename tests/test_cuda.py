@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -80,8 +82,17 @@ def test_arena_is_pinned_on_a_gpu_machine():
 
 def test_mixed_cpu_and_cuda_target(arena):
     state = {"gpu": torch.randn(1000, device="cuda"), "cpu": torch.randn(1000), "step": torch.tensor(3.0)}
+    _round_trip(state, arena)
+
+
+def test_many_small_tensors_round_trip(arena):
+    _round_trip({f"t{i}": torch.randn(2048, device="cuda", dtype=torch.bfloat16) for i in range(4096)}, arena)
+
+
+def _round_trip(state: dict[str, torch.Tensor], arena: go.Arena, snap: Optional[go.Snapshot] = None) -> None:
+    """snapshot (unless given), clobber, restore, then offload/reload; every value must come back bitwise."""
     expected = {k: v.clone() for k, v in state.items()}
-    snap = go.snapshot(state, arena=arena)
+    snap = snap if snap is not None else go.snapshot(state, arena=arena)
     for v in state.values():
         v.zero_()
     go.restore(state, snap)
@@ -89,17 +100,6 @@ def test_mixed_cpu_and_cuda_target(arena):
         assert_bitwise_equal(state[k], expected[k])
     go.offload(state, arena=arena)
     go.reload(state)
-    for k in state:
-        assert_bitwise_equal(state[k], expected[k])
-
-
-def test_many_small_tensors_round_trip(arena):
-    state = {f"t{i}": torch.randn(2048, device="cuda", dtype=torch.bfloat16) for i in range(4096)}
-    expected = {k: v.clone() for k, v in state.items()}
-    snap = go.snapshot(state, arena=arena)
-    for v in state.values():
-        v.zero_()
-    go.restore(state, snap)
     for k in state:
         assert_bitwise_equal(state[k], expected[k])
 
@@ -119,12 +119,4 @@ def test_hybrid_plan_round_trips_mixed_sizes(arena, monkeypatch, gather_max_byte
     snap.wait()
     for k in state:
         assert_bitwise_equal(snap.tensors()[k].cuda(), expected[k])
-    for v in state.values():
-        v.zero_()
-    go.restore(state, snap)
-    for k in state:
-        assert_bitwise_equal(state[k], expected[k])
-    go.offload(state, arena=arena)
-    go.reload(state)
-    for k in state:
-        assert_bitwise_equal(state[k], expected[k])
+    _round_trip(state, arena, snap)

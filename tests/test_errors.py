@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, inject_failure
 
 
 def _state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -150,22 +150,14 @@ def test_reload_allocation_failure_keeps_the_target_offloaded_and_retry_works(ar
     state = {"a": torch.randn(100), "b": torch.randn(50), "c": torch.randn(10)}
     expected = {k: v.clone() for k, v in state.items()}
     go.offload(state, arena=arena)
-    original = torch.UntypedStorage.resize_
-    calls = {"n": 0}
-
-    def failing_resize(self, size):  # the second allocation fails, as a full device would
-        if size > 0:
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise torch.OutOfMemoryError("injected: out of memory")
-        return original(self, size)
-
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", failing_resize)
+    # The second allocation fails, as a full device would.
+    inject_failure(monkeypatch, torch.UntypedStorage, "resize_", 2, torch.OutOfMemoryError,
+                   when=lambda self, size: size > 0)
     with pytest.raises(go.OffloadError, match="still offloaded with its data intact"):
         go.reload(state)
     assert go.is_offloaded(state)
     assert all(t.untyped_storage().nbytes() == 0 for t in state.values())
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", original)
+    monkeypatch.undo()
     go.reload(state)
     for k in state:
         assert_bitwise_equal(state[k], expected[k])

@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, random_tensor
+from conftest import assert_bitwise_equal, inject_failure, random_tensor
 from gpu_offload import integrity as _integrity
 from gpu_offload import plan as _plan
 from gpu_offload._ext import _C
@@ -43,23 +43,6 @@ def _state(device: torch.device) -> dict[str, torch.Tensor]:
 _NUM_STORAGES = 4  # a, base (with view), b, c
 
 
-def _inject(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: int, exc: type[BaseException],
-            when: Callable[..., bool] = lambda *a, **kw: True) -> dict[str, int]:
-    """Makes the k-th call of owner.name (among those `when` selects) raise exc before doing anything."""
-    original = getattr(owner, name)
-    calls = {"n": 0}
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if when(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == k:
-                raise exc(f"injected into call {k} of {name}")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return calls
-
-
 def _copy(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
     """Values and storage sizes to compare with later."""
     return {n: (t.clone(), t.untyped_storage().nbytes()) for n, t in state.items()}
@@ -85,7 +68,7 @@ def test_offload_interrupted_while_releasing_storages_leaves_the_target_untouche
     state = _state(device)
     expected = _copy(state)
     used, offloaded = arena.used_bytes, go.offloaded_bytes()
-    calls = _inject(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size == 0)
+    calls = inject_failure(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size == 0)
     with pytest.raises(exc, match="injected"):
         go.offload(state, arena=arena)
     monkeypatch.undo()
@@ -102,7 +85,7 @@ def test_offload_interrupted_while_releasing_storages_leaves_the_target_untouche
 def test_offload_interrupted_in_the_copy_leaves_the_target_untouched(device, arena, monkeypatch, exc):
     state = _state(device)
     expected = _copy(state)
-    _inject(monkeypatch, _plan.CopyPlans, "run", 1, exc)
+    inject_failure(monkeypatch, _plan.CopyPlans, "run", 1, exc)
     with pytest.raises(exc, match="injected"):
         go.offload(state, arena=arena)
     monkeypatch.undo()
@@ -118,7 +101,7 @@ def test_reload_interrupted_while_allocating_keeps_the_target_offloaded(device, 
     expected = _copy(state)
     go.offload(state, arena=arena)
     used, offloaded = arena.used_bytes, go.offloaded_bytes()
-    _inject(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size > 0)
+    inject_failure(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size > 0)
     # An allocation failure becomes a clear OffloadError; an interrupt stays what it is.
     with pytest.raises(go.OffloadError if exc is MemoryError else exc, match="injected"):
         go.reload(state)
@@ -140,7 +123,7 @@ def test_reload_interrupted_between_copies_keeps_everything_offloaded(device, ar
     go.offload(one, arena=arena)
     go.offload(two, arena=arena)
     used, offloaded = arena.used_bytes, go.offloaded_bytes()
-    _inject(monkeypatch, _plan.CopyPlans, "run", k, exc)
+    inject_failure(monkeypatch, _plan.CopyPlans, "run", k, exc)
     with pytest.raises(exc, match="injected"):
         go.reload([one, two])
     monkeypatch.undo()
@@ -161,9 +144,9 @@ def test_snapshot_interrupted_gives_its_space_back(device, arena, monkeypatch, w
     go.snapshot(state, arena=arena).free()  # the arena has its slab: capacity must not change either
     capacity = arena.capacity_bytes
     if where == "copy":
-        _inject(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
+        inject_failure(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
     else:
-        _inject(monkeypatch, _integrity, "compute", 1, KeyboardInterrupt)
+        inject_failure(monkeypatch, _integrity, "compute", 1, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         go.snapshot(state, arena=arena, checksum=True)
     monkeypatch.undo()
@@ -178,7 +161,7 @@ def test_restore_interrupted_before_its_copy_leaves_the_target_untouched(device,
         state[n].reshape(-1).view(torch.uint8).fill_(7)
     before = {n: t.clone() for n, t in state.items()}
     used = arena.used_bytes
-    _inject(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
+    inject_failure(monkeypatch, _plan.CopyPlans, "run", 1, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         go.restore(state, snap, verify=True)
     monkeypatch.undo()

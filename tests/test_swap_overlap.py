@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, inject_failure
 
 
 def _model(device: torch.device, seed: int) -> torch.nn.Module:
@@ -111,17 +111,9 @@ def test_swap_without_room_for_both_falls_back_to_one_after_the_other(arena, mon
     policy, ref = _model(torch.device("cpu"), 0), _model(torch.device("cpu"), 1)
     ref_values = _values(ref)
     go.offload(ref, arena=arena)
-    original = torch.UntypedStorage.resize_
-    calls = {"n": 0}
-
-    def first_allocation_fails(self, size):  # the device is full while both would be resident
-        if size > 0:
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise torch.OutOfMemoryError("injected: out of memory")
-        return original(self, size)
-
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", first_allocation_fails)
+    # The first allocation fails: the device is full while both would be resident.
+    calls = inject_failure(monkeypatch, torch.UntypedStorage, "resize_", 1, torch.OutOfMemoryError,
+                           when=lambda self, size: size > 0)
     go.swap(policy, ref, arena=arena)
     assert calls["n"] > 1  # the fallback allocated again after offloading the policy
     assert go.is_offloaded(policy) and not go.is_offloaded(ref)

@@ -20,8 +20,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .._errors import OffloadError
+from ..storages import PLAIN_TENSOR_TYPES
 
-_PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
 
 
 class Named(Sequence[tuple[str, torch.Tensor]]):
@@ -62,7 +62,7 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
     the shards; reads pass False so that an explicit unshard() is not undone).
     Raises OffloadError for an object that is none of the supported kinds.
     """
-    if isinstance(target, Mapping) and set(map(type, target.values())) <= _PLAIN_TENSOR_TYPES:
+    if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
         # A flat dict of plain tensors (a state dict): no per-item dispatch and no per-item tuple
         # (set(map(type, ...)) runs in C).
         if set(map(type, target)) <= {str}:
