@@ -16,7 +16,7 @@ from ._ext import _C
 from ._version import __version__
 from .api import is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
 from .arena import Arena, default_arena
-from .persist import load
+from .persist import load, save
 from .snapshot import Snapshot
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "offloaded_bytes",
     "reload",
     "restore",
+    "save",
     "snapshot",
     "swap",
 ]

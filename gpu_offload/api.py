@@ -7,40 +7,26 @@ Flow: target -> adapters (named tensors) -> storages (layout bound to live stora
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from . import integrity as _integrity
+from . import overlap as _overlap
 from . import plan as _plan
+from . import registry as _registry
 from ._errors import OffloadError
 from .adapters import named_tensors, shard_info
 from .arena import Arena, Region, default_arena
+from .overlap import join
+from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
 from .storages import bind, extent_problem, match, unwrap
 
 logger = logging.getLogger("gpu_offload")
 
 
-@dataclass
-class _Offloaded:
-    """Where an offloaded storage's bytes are. Holding the storage keeps its identity (the key) unique."""
-
-    storage: torch.UntypedStorage
-    nbytes: int
-    device: torch.device
-    region: Region
-    host_offset: int
-    events: list[Any]  # the D2H copy that filled the region
-
-
-# Offloaded storages by identity. Keyed by storage rather than by target, so that a list is its parts:
-# offload([model, opt]) then is_offloaded(model) or reload([model, opt]) with a new list just work.
-_offloaded: dict[int, _Offloaded] = {}
-_registry_lock = threading.RLock()
 
 
 def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages: int, synchronous: bool) -> None:
@@ -59,10 +45,10 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
     """
     resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
                              shard_info=lambda: shard_info(target))
-    if _offloaded:  # nothing to look up in the common case of nothing offloaded
-        with _registry_lock:
+    if _registry.entries:  # nothing to look up in the common case of nothing offloaded
+        with _registry.lock:
             for key, spec in zip(resolved.plan.keys, resolved.layout.storages):
-                if key in _offloaded:
+                if key in _registry.entries:
                     raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
@@ -74,37 +60,6 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
 def _empty_cache(devices: list[torch.device]) -> None:
     if any(d.type == "cuda" for d in devices) and torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-# Copies of snapshot(..., overlap=True) that later work on the current stream has not been made to wait
-# for yet. Anything that may write the weights joins them first: every optimizer step (a global pre-hook,
-# registered on first use), and restore / offload / reload / swap.
-_overlapped: list[Any] = []
-_overlap_lock = threading.Lock()
-_overlap_hook: Any = None
-
-
-def join() -> None:
-    """Makes the current streams wait (on the GPU, the CPU is not blocked) for the copies of every
-    `snapshot(..., overlap=True)` still in flight. Called for you before each optimizer step and by
-    restore/offload/reload/swap; call it yourself before changing the weights any other way."""
-    with _overlap_lock:
-        events, _overlapped[:] = list(_overlapped), []
-    pending = [e for e in events if not e.query()]
-    if pending:
-        _plan.join(pending)
-
-
-def _step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    join()
-
-
-def _defer(events: list[Any]) -> None:
-    global _overlap_hook
-    with _overlap_lock:
-        _overlapped.extend(events)
-        if _overlap_hook is None:
-            _overlap_hook = torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook)
 
 
 def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena] = None,
@@ -146,7 +101,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         region.release()
         raise
     if overlap and events:
-        _defer(events)
+        _overlap.defer(events)
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     return Snapshot(layout, region, events, sums)
 
@@ -206,7 +161,7 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
-    with _registry_lock:
+    with _registry.lock:
         resolved = _resolve_live(target, include_grads, "offload")
         layout = resolved.layout
         storages = resolved.storages()
@@ -226,7 +181,7 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
             raise
         try:
             for key, spec, storage in live:
-                _offloaded[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
+                _registry.entries[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
             # The copies are enqueued before the memory is released, and the current stream waits for them, so
             # the caching allocator cannot hand the blocks out to later work before they have been read.
             for _, _, storage in live:
@@ -250,9 +205,9 @@ def reload(target: Any) -> None:
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     named = named_tensors(target, include_grads=True)
-    with _registry_lock:
-        bound = bind(named, {k: r.nbytes for k, r in _offloaded.items()})
-        records = [(k, st, _offloaded[k]) for k, st in zip(bound.keys, bound.storages) if k in _offloaded]
+    with _registry.lock:
+        bound = bind(named, _registry.sizes())
+        records = [(k, st, _registry.entries[k]) for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
         layout = bound.layout
         if not records:
             raise OffloadError("cannot reload: nothing in the target is offloaded")
@@ -283,7 +238,7 @@ def reload(target: Any) -> None:
         for items, events in enqueued:
             region = items[0][2].region
             for key, _, _ in items:
-                del _offloaded[key]
+                del _registry.entries[key]
             for _ in items:
                 region.release(events)
     # The storages are live again at new addresses: remember the target's plan so that the next call on
@@ -313,10 +268,10 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_g
     # Validate both before anything moves.
     _resolve_live(out_target, include_grads, "swap out")
     named_in = named_tensors(in_target, include_grads=True)
-    bind_in = bind(named_in, {k: r.nbytes for k, r in _offloaded.items()})
-    with _registry_lock:
+    bind_in = bind(named_in, _registry.sizes())
+    with _registry.lock:
         # Exactly what is offloaded now: put back as it was if the second half fails.
-        was_offloaded = {name: t for name, t in named_in if unwrap(t).untyped_storage()._cdata in _offloaded}
+        was_offloaded = {name: t for name, t in named_in if unwrap(t).untyped_storage()._cdata in _registry.entries}
     if not was_offloaded:
         raise OffloadError("cannot swap in: nothing in in_target is offloaded")
     try:
@@ -344,7 +299,7 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
     refilled from the region (which the copy filled), the registry entries dropped, the region freed.
     Released storages are found by their size, so one released just before the interrupt is not missed."""
     for key, _, _ in live:
-        _offloaded.pop(key, None)
+        _registry.entries.pop(key, None)
     released = [(spec, storage) for _, spec, storage in live if storage.nbytes() != spec.nbytes]
     back: list[Any] = []
     if released:
@@ -371,8 +326,8 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
 def is_offloaded(target: Any) -> bool:
     """True when the target's storages are offloaded (all those that held memory)."""
     bound = bind(named_tensors(target, include_grads=False, reshard=False))
-    with _registry_lock:
-        offloaded = [k in _offloaded for k in bound.keys]
+    with _registry.lock:
+        offloaded = [k in _registry.entries for k in bound.keys]
     if not any(offloaded):
         return False
     # Partly offloaded (e.g. offload(model) then is_offloaded([model, opt])): only if the rest is empty.
@@ -381,5 +336,4 @@ def is_offloaded(target: Any) -> bool:
 
 def offloaded_bytes() -> int:
     """Bytes currently offloaded by this process, over all targets."""
-    with _registry_lock:
-        return sum(r.nbytes for r in _offloaded.values())
+    return _registry.total_bytes()

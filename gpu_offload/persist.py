@@ -1,6 +1,6 @@
 """Snapshots on disk: safetensors files written atomically and checked in full when read back.
 
-    snap.save("/ckpt/policy.snap")                 # temporary file, fsync, rename, fsync of the directory
+    gpu_offload.save(snap, "/ckpt/policy.snap")    # temporary file, fsync, rename, fsync of the directory
     snap = gpu_offload.load("/ckpt/policy.snap")   # into the arena, checked, ready for restore()
 
 File format (a plain safetensors file, readable by any safetensors reader):
@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -32,10 +32,8 @@ from . import integrity as _integrity
 from ._errors import OffloadError
 from ._version import __version__
 from .arena import Arena, default_arena
+from .snapshot import Snapshot
 from .storages import _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES, Layout, StorageSpec, TensorSpec, _align
-
-if TYPE_CHECKING:
-    from .snapshot import Snapshot
 
 logger = logging.getLogger("gpu_offload")
 
@@ -102,7 +100,7 @@ def _remove_stale_temporaries(path: str) -> None:
             pass  # alive under another user, or not a pid: leave it
 
 
-def save(snap: "Snapshot", path: PathLike) -> None:
+def save(snap: Snapshot, path: PathLike) -> None:
     """Writes a snapshot (its bytes and its layout) to a safetensors file at `path`, atomically.
 
     Waits for the snapshot's copy first. A snapshot taken with checksum=True is verified before anything is
@@ -279,8 +277,8 @@ def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int,
         raise _bad(path, f"{size - data_start - data_end} unexpected bytes after the data (corrupt or appended to)")
 
 
-def load(path: PathLike, arena: Optional[Arena] = None) -> "Snapshot":
-    """Reads a snapshot written by `Snapshot.save` into the arena, checks it, and returns it ready for
+def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
+    """Reads a snapshot written by `gpu_offload.save` into the arena, checks it, and returns it ready for
     `restore`.
 
     Everything is checked before the snapshot is returned: the safetensors header, the format and its
@@ -292,8 +290,6 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> "Snapshot":
         OffloadError: the file is truncated, corrupt, of a newer format, or not a gpu_offload snapshot
             (the message says which), or the arena cannot hold it. The arena is unchanged then.
     """
-    from .snapshot import Snapshot
-
     _need_safetensors()
     start = time.perf_counter()
     path = os.fspath(path)

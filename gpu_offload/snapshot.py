@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -120,7 +119,7 @@ class Snapshot:
             out[spec.name] = torch.as_strided(typed, spec.shape, spec.stride, spec.offset)
         return out
 
-    # -- integrity and persistence (gpu_offload/integrity.py, gpu_offload/persist.py) --------------------
+    # -- integrity (gpu_offload/integrity.py; files are gpu_offload.save / gpu_offload.load) ----------------
     @property
     def checksums(self) -> Optional[list[int]]:
         """One checksum per storage, of the source as it was copied (`snapshot(..., checksum=True)`) or as
@@ -141,13 +140,6 @@ class Snapshot:
         self.wait()
         _integrity.verify_host(self._layout, region.ptr, expected)
         return self
-
-    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Writes the snapshot to a safetensors file, atomically; `gpu_offload.load(path)` reads it back.
-        See gpu_offload.persist.save."""
-        from .persist import save
-
-        save(self, path)
 
     def __del__(self) -> None:
         # A dropped snapshot gives its space back, as a dropped CPU state dict would.

@@ -267,7 +267,7 @@ def _save_then_restore_elsewhere(rank: int, world_size: int, kind: str, director
     model, _ = _make(kind, world_size)
     path = f"{directory}/{kind}-w{world_size}-r{rank}.safetensors"
     with go.snapshot(model) as snap:
-        snap.save(path)
+        go.save(snap, path)
     dist.barrier()
     if world_size == saved_world:
         other = f"{directory}/{kind}-w{world_size}-r{(rank + 1) % world_size}.safetensors"

@@ -129,7 +129,7 @@ def test_random_layouts_round_trip_bitwise(device, data):
     _assert_bytes(state, expected)
     # Through a file and back.
     with tempfile.TemporaryDirectory() as tmp:
-        snap.save(os.path.join(tmp, "s.snap"))
+        go.save(snap, os.path.join(tmp, "s.snap"))
         loaded = go.load(os.path.join(tmp, "s.snap"), arena=arena)
     assert loaded.checksums == snap.checksums
     _clobber(state)

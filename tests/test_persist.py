@@ -39,7 +39,7 @@ def saved(tmp_path: Path, arena: go.Arena) -> tuple[Path, dict[str, torch.Tensor
     state = _state(torch.device("cpu"))
     path = tmp_path / "state.snap"
     with go.snapshot(state, arena=arena, checksum=True) as snap:
-        snap.save(path)
+        go.save(snap, path)
     return path, state
 
 
@@ -63,7 +63,7 @@ def test_round_trip_restores_bitwise_into_a_twin(device, tmp_path, arena):
     expected = {k: v.clone() for k, v in state.items()}
     snap = go.snapshot(state, arena=arena, checksum=True)
     path = tmp_path / "a.snap"
-    snap.save(path)
+    go.save(snap, path)
     loaded = go.load(path, arena=arena)
     assert loaded.names == snap.names and loaded.nbytes == snap.nbytes
     assert [(t.shape, t.stride, t.offset, t.dtype, t.storage) for t in loaded.layout.tensors] == \
@@ -88,7 +88,7 @@ def test_round_trip_restores_bitwise_into_a_twin(device, tmp_path, arena):
 def test_a_snapshot_without_checksums_is_saved_with_host_checksums(tmp_path, arena):
     state = {"a": torch.arange(10.0)}
     snap = go.snapshot(state, arena=arena)
-    snap.save(tmp_path / "a.snap")
+    go.save(snap, tmp_path / "a.snap")
     loaded = go.load(tmp_path / "a.snap", arena=arena)
     assert loaded.checksums is not None and len(loaded.checksums) == 1
     layout = json.loads(_metadata(tmp_path / "a.snap")["layout"])
@@ -122,8 +122,8 @@ def test_the_file_is_plain_safetensors(saved):
 
 def test_save_replaces_atomically_and_leaves_no_temporary(tmp_path, arena):
     path = tmp_path / "x.snap"
-    go.snapshot({"a": torch.zeros(100)}, arena=arena).save(path)
-    go.snapshot({"a": torch.ones(100)}, arena=arena).save(path)
+    go.save(go.snapshot({"a": torch.zeros(100)}, arena=arena), path)
+    go.save(go.snapshot({"a": torch.ones(100)}, arena=arena), path)
     assert sorted(os.listdir(tmp_path)) == ["x.snap"]
     loaded = go.load(path, arena=arena)
     assert bool((loaded.tensors()["a"] == 1).all())
@@ -131,7 +131,7 @@ def test_save_replaces_atomically_and_leaves_no_temporary(tmp_path, arena):
 
 def test_a_failed_save_leaves_the_previous_file(tmp_path, arena, monkeypatch):
     path = tmp_path / "x.snap"
-    go.snapshot({"a": torch.zeros(100)}, arena=arena).save(path)
+    go.save(go.snapshot({"a": torch.zeros(100)}, arena=arena), path)
     before = path.read_bytes()
 
     def failing_replace(src, dst):
@@ -139,7 +139,7 @@ def test_a_failed_save_leaves_the_previous_file(tmp_path, arena, monkeypatch):
 
     monkeypatch.setattr(persist.os, "replace", failing_replace)
     with pytest.raises(OSError, match="injected"):
-        go.snapshot({"a": torch.ones(100)}, arena=arena).save(path)
+        go.save(go.snapshot({"a": torch.ones(100)}, arena=arena), path)
     monkeypatch.undo()
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["x.snap"]
 
@@ -147,15 +147,15 @@ def test_a_failed_save_leaves_the_previous_file(tmp_path, arena, monkeypatch):
 def test_a_corrupt_host_copy_is_not_saved(tmp_path, arena):
     path = tmp_path / "x.snap"
     snap = go.snapshot({"a": torch.zeros(100)}, arena=arena, checksum=True)
-    snap.save(path)
+    go.save(snap, path)
     before = path.read_bytes()
     snap.tensors()["a"].view(torch.uint8)[17] ^= 1
     with pytest.raises(go.OffloadError, match=r"host copy is corrupt.*\(a,"):
-        snap.save(path)
+        go.save(snap, path)
     assert path.read_bytes() == before
     snap.free()
     with pytest.raises(go.OffloadError, match="freed"):
-        snap.save(path)
+        go.save(snap, path)
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, arena):
@@ -166,7 +166,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, arena):
     stale.write_bytes(b"partial")
     alive = tmp_path / f"x.snap.tmp-{os.getppid()}-0"  # a live process (pytest's parent): left alone
     alive.write_bytes(b"partial")
-    go.snapshot({"a": torch.zeros(3)}, arena=arena).save(path)
+    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
     assert not stale.exists() and alive.exists()
 
 
@@ -178,7 +178,7 @@ _KILL_CHILD = textwrap.dedent("""
     version = 0
     while True:
         w.fill_(float(version))
-        go.snapshot({"w": w}, arena=arena, checksum=True).save(path)
+        go.save(go.snapshot({"w": w}, arena=arena, checksum=True), path)
         if version == 0:
             print("saved", flush=True)
         version += 1
