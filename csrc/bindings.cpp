@@ -53,6 +53,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_runtime_version", &cuda::runtime_version);
   m.def("cuda_architectures", &cuda::architectures);
   m.def("available_host_memory", &available_host_memory);
+  m.def("engine_streams", &cuda::engine_streams, py::arg("device"),
+        "The engine's streams on a device as cudaStream_t integers: copy D2H, copy H2D, kernel D2H, kernel H2D.",
+        py::call_guard<py::gil_scoped_release>());
   m.def(
       "host_memoryview",
       [](std::uintptr_t ptr, std::size_t num_bytes) {

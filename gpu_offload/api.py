@@ -57,6 +57,12 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
     return resolved
 
 
+def _first_views(resolved: _plan.Resolved) -> list[torch.Tensor]:
+    """One tensor viewing each of the target's storages that holds memory (for the allocator's record_stream)."""
+    first, specs = resolved.plan.first_tensor, resolved.layout.storages
+    return [resolved.tensors[first[i]] for i, spec in enumerate(specs) if spec.nbytes and spec.device.type == "cuda"]
+
+
 def _empty_cache(devices: list[torch.device]) -> None:
     if any(d.type == "cuda" for d in devices) and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -79,14 +85,24 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             GPU by a kernel enqueued just before the copy); `Snapshot.verify()`, `restore(verify=True)`
             and `load` check against it. See gpu_offload.integrity.
         overlap: let work enqueued after this call (a forward and backward, which read the weights but
-            do not change them) run alongside the copy instead of waiting for it. The next
-            `optimizer.step()` of any optimizer, and any restore/offload/reload/swap, waits for the copy
-            on the GPU first, so the snapshot stays the state as of this call; anything else that
-            changes the weights in place must call `gpu_offload.join()` first.
+            do not change them) run alongside the copy instead of waiting for it. The source storages
+            are kept alive until the copy has read them. The next `optimizer.step()` of any optimizer,
+            and any restore/offload/reload/swap, waits for the copy on the GPU first (each thread's
+            current stream for itself), so the snapshot stays the state as of this call. Anything
+            else that changes the weights in place must call `gpu_offload.join()` on its stream first:
+            an EMA update, Megatron's overlapped parameter all-gather, a manual `p.data.copy_()`.
+            Gradients are written in place before the step (`GradScaler.unscale_`, `clip_grad_norm_`,
+            the next backward), so `overlap=True` refuses `include_grads=True`.
 
     Raises:
-        OffloadError: unsupported target or tensor, an offloaded target, or arena/host memory exhausted.
+        OffloadError: unsupported target or tensor, an offloaded target, `overlap=True` with
+            `include_grads=True`, or arena/host memory exhausted.
     """
+    if overlap and include_grads:
+        raise OffloadError("snapshot(overlap=True) cannot include gradients: they are written in place "
+                           "before the optimizer step (GradScaler.unscale_, clip_grad_norm_, the next "
+                           "backward), which the overlap guard does not see; take the snapshot with "
+                           "overlap=False, or without include_grads")
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
@@ -97,11 +113,14 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
         sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
         events = plans.run(True, region.ptr, stream_waits=not overlap)
-    except BaseException:
-        region.release()
+        if overlap and events:
+            # Later work does not wait for the copy: keep the sources alive until it has read them, and
+            # tell the allocator in case someone releases their memory anyway (resize_(0)).
+            _plan.mark_in_use(_first_views(resolved), to_host=True)
+            _overlap.defer(events, resolved.storages())
+    except BaseException as exc:
+        region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
         raise
-    if overlap and events:
-        _overlap.defer(events)
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     return Snapshot(layout, region, events, sums)
 
@@ -137,7 +156,11 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
                                "snapshot(..., checksum=True)")
         snap.verify()
     # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
-    events = plans.run(False, region.ptr, waits=snap._pending())
+    try:
+        events = plans.run(False, region.ptr, waits=snap._pending())
+    except BaseException as exc:
+        snap._add_events(_plan.enqueued(exc))  # copies another device enqueued still read the region
+        raise
     snap._add_events(events)
     if expected is not None:  # integrity: and the restored device data after
         _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
@@ -176,14 +199,16 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         region = arena._allocate(layout.host_bytes, users=len(live))
         try:
             events = plans.run(True, region.ptr)
-        except BaseException:
-            region.arena._free(region.ptr, ())
+        except BaseException as exc:
+            region.arena._free(region.ptr, _plan.enqueued(exc))  # after copies other devices enqueued
             raise
         try:
             for key, spec, storage in live:
                 _registry.entries[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
-            # The copies are enqueued before the memory is released, and the current stream waits for them, so
-            # the caching allocator cannot hand the blocks out to later work before they have been read.
+            # The copies are enqueued before the memory is released and the current stream waits for them;
+            # the allocator is told too (it would otherwise hand a block back to the stream that allocated
+            # it, which need not be the current one), so no block is reused before it has been read.
+            _plan.mark_in_use(_first_views(resolved), to_host=True)
             for _, _, storage in live:
                 storage.resize_(0)
         except BaseException:
@@ -226,7 +251,12 @@ def reload(target: Any) -> None:
             for items in by_region.values():
                 region = items[0][2].region
                 entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
-                enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)))
+                try:
+                    events = _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)
+                except BaseException as exc:
+                    enqueued.append((items, _plan.enqueued(exc)))  # other devices' copies, still running
+                    raise
+                enqueued.append((items, events))
         except BaseException as exc:
             _undo_reload(records, enqueued)
             needed = sum(r.nbytes for _, _, r in records)
@@ -275,12 +305,15 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_g
     if not was_offloaded:
         raise OffloadError("cannot swap in: nothing in in_target is offloaded")
     try:
-        with _plan.deferred_join():
+        with _plan.deferred_join() as in_flight:
             reload(in_target)  # allocates first: nothing is freed before the copies that read it
             try:
                 offload(out_target, empty_cache=False, include_grads=include_grads, arena=arena)
             except BaseException:
-                offload(was_offloaded, empty_cache=False, arena=arena)  # as before the call
+                # As before the call. The reload's copies may not have arrived yet: the current stream waits
+                # for them first, so that the offload reads (and then frees) filled blocks.
+                _plan.join_now(in_flight)
+                offload(was_offloaded, empty_cache=False, arena=arena)
                 raise
     except OffloadError as exc:
         if not isinstance(exc.__cause__, (torch.OutOfMemoryError, MemoryError)):
@@ -306,7 +339,11 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
         for spec, storage in released:
             storage.resize_(spec.nbytes)
         entries = [(spec.device, storage.data_ptr(), spec.host_offset, spec.nbytes) for spec, storage in released]
-        back = _plan.build_copies(entries).run(False, region.ptr, waits=events)
+        try:
+            back = _plan.build_copies(entries).run(False, region.ptr, waits=events)
+        except BaseException as exc:
+            region.arena._free(region.ptr, list(events) + _plan.enqueued(exc))
+            raise
     region.arena._free(region.ptr, list(events) + back)
     logger.debug("offload interrupted: %d released storages put back", len(released))
 
@@ -318,6 +355,8 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
     for items, events in enqueued:
         for _, _, record in items:
             record.events = list(record.events) + list(events)
+        # The copies may still write these storages: the allocator must not hand them out before.
+        _plan.mark_in_use([_plan.storage_view(st) for _, st, _ in items if st.nbytes() != 0], to_host=False)
     for _, storage, _ in records:
         if storage.nbytes() != 0:
             storage.resize_(0)

@@ -52,14 +52,62 @@ class CopyPlans:
         events: list[Any] = []
         wait_list = [e for e in waits if e is not None]
         scope = _join_scope.get()
-        for device, plan in self.groups:
-            stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
-            event = plan.run(to_host, host_base, stream, wait_list, stream_waits and scope is None)
-            if event is not None:
-                events.append(event)
-                if scope is not None and stream_waits:
-                    scope.append(event)
+        try:
+            for device, plan in self.groups:
+                stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+                event = plan.run(to_host, host_base, stream, wait_list, stream_waits and scope is None)
+                if event is not None:
+                    events.append(event)
+                    if scope is not None and stream_waits:
+                        scope.append(event)
+        except BaseException as exc:
+            # A later device failed: the earlier devices' copies are running. Their events travel with the
+            # error, so that the caller frees the region only after them (see enqueued()).
+            if events:
+                setattr(exc, _ENQUEUED, events)
+            raise
         return events
+
+
+_ENQUEUED = "_gpu_offload_enqueued"
+
+
+def enqueued(exc: BaseException) -> list[Any]:
+    """The events of copies a failed CopyPlans.run had already enqueued on other devices (free the host
+    region only once they have completed)."""
+    return list(getattr(exc, _ENQUEUED, ()))
+
+
+# The engine's copy streams as torch streams, per device: (D2H, H2D). Created once, on first use.
+_copy_streams: dict[int, tuple[Any, Any]] = {}
+
+
+def copy_stream(device: int, to_host: bool) -> Any:
+    """The engine's copy-engine stream on `device` for one direction, as a torch.cuda.ExternalStream."""
+    pair = _copy_streams.get(device)
+    if pair is None:
+        d2h, h2d = _C.engine_streams(device)[:2]
+        pair = _copy_streams.setdefault(device, (torch.cuda.ExternalStream(d2h, device=device),
+                                                 torch.cuda.ExternalStream(h2d, device=device)))
+    return pair[0 if to_host else 1]
+
+
+def mark_in_use(tensors: Sequence[torch.Tensor], to_host: bool) -> None:
+    """Tells torch's caching allocator that copies of one direction, enqueued before this call, may still
+    read (to_host) or write the storages of these CUDA tensors: a storage released after this is handed
+    out again only once those copies have finished, whichever stream it was allocated on.
+
+    The allocator otherwise hands a freed block straight back to the stream that allocated it, which may
+    run ahead of the copy (offload under a side stream). One stream covers a batch's gather kernel too:
+    the batch's copy-engine stream joins the kernel's stream before the batch completes."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(copy_stream(t.device.index, to_host))
+
+
+def storage_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A byte tensor over a whole storage (what record_stream needs), without copying."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 # Events whose join into the current stream is deferred to the end of a deferred_join() scope.
@@ -78,16 +126,25 @@ def join(events: Sequence[Any]) -> None:
 
 
 @contextlib.contextmanager
-def deferred_join() -> Iterator[None]:
+def deferred_join() -> Iterator[list[Any]]:
     """Within the scope, copies do not make the current stream wait for them one by one; at its end the
-    current streams wait for all of them at once. Lets a D2H and an H2D batch run together (swap)."""
+    current streams wait for all of them at once. Lets a D2H and an H2D batch run together (swap).
+
+    Yields the list of events collected so far: join_now(events) makes the current streams wait for them
+    before the scope ends (before anything reads what those copies write)."""
     events: list[Any] = []
     token = _join_scope.set(events)
     try:
-        yield
+        yield events
     finally:
         _join_scope.reset(token)
         join(events)
+
+
+def join_now(events: list[Any]) -> None:
+    """Within a deferred_join() scope: makes the current streams wait now for the events collected so far."""
+    pending, events[:] = list(events), []
+    join(pending)
 
 
 def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyPlans:

@@ -2,9 +2,9 @@
 //
 // The storages are cut into 1 MiB chunks; a grid-stride loop hands chunks to blocks, each block reads
 // its chunk with 16-byte loads (8-byte or byte loads where a storage is not aligned for them), reduces
-// its threads' partial sums and adds the result into the storage's slot with one 64-bit atomicAdd. The
-// sum is order-free, so the value is the host's exactly. Pointer, size and chunk tables go up and the
-// sums come down through small scratch buffers that are allocated once per device and reused.
+// its threads' partial sums and writes the chunk's partial to its own slot; the host adds a storage's
+// partials (the sum is order-free, so the value is the host's exactly). The chunk table and the partials
+// live in pinned host memory mapped into the device, allocated once per device and reused.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -26,23 +26,26 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 4;
 using checksum_detail::kChunkBytes;
 
-// Scratch table, in 64-bit words: [0, n) pointers, [n, 2n) sizes, [2n, 3n] first chunk of each storage
-// (3n: the total), [3n + 1, 4n + 1) the sums.
-inline std::size_t table_words(std::size_t n) { return 4 * n + 1; }
+// One chunk of one storage, as the kernel reads it; the host fills the table, so the kernel needs no
+// search. 32 bytes: three fields and the slot the chunk's partial sum is written to.
+struct SumChunk {
+  std::uint64_t ptr;  // the storage's start (chunk_share needs it for alignment and word indices)
+  std::uint64_t begin;
+  std::uint64_t end;
+  std::uint64_t pad;
+};
 
+// Each block sums its chunks and writes one partial per chunk (no atomics: the slots are in host memory);
+// the host adds a storage's partials. The sum is order-free, so the value is the host's exactly.
 __global__ void __launch_bounds__(kThreads)
-    checksum_kernel(const std::uint64_t* __restrict__ table, std::uint64_t n, unsigned long long* __restrict__ sums) {
-  const std::uint64_t* ptrs = table;
-  const std::uint64_t* sizes = table + n;
-  const std::uint64_t* starts = table + 2 * n;
-  const std::uint64_t total_chunks = starts[n];
+    checksum_kernel(const SumChunk* __restrict__ chunks, std::uint64_t num_chunks, unsigned long long* partials) {
   __shared__ unsigned long long warp_sums[kThreads / 32];
+  __shared__ SumChunk ch;  // read once per block over the link
 
-  for (std::uint64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
-    const std::uint64_t s = checksum_detail::chunk_owner(starts, n, c);
-    const std::uint64_t begin = (c - starts[s]) * kChunkBytes;
-    const std::uint64_t end = begin + kChunkBytes < sizes[s] ? begin + kChunkBytes : sizes[s];
-    unsigned long long acc = checksum_detail::chunk_share(ptrs[s], begin, end, threadIdx.x, kThreads);
+  for (std::uint64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    if (threadIdx.x == 0) ch = chunks[c];
+    __syncthreads();
+    unsigned long long acc = checksum_detail::chunk_share(ch.ptr, ch.begin, ch.end, threadIdx.x, kThreads);
 
     for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -51,18 +54,22 @@ __global__ void __launch_bounds__(kThreads)
     if (warp == 0) {
       unsigned long long v = lane < kThreads / 32 ? warp_sums[lane] : 0ull;
       for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-      if (lane == 0) atomicAdd(sums + s, v);
+      if (lane == 0) partials[c] = v;
     }
-    __syncthreads();  // warp_sums is reused by the next chunk
+    __syncthreads();  // warp_sums and ch are reused by the next chunk
   }
 }
 
-// A device table and its pinned host twin, with the event of the last job that used them. Kept for the
-// life of the process (a few KiB each); a job takes one that is free and whose last use has finished.
+// Pinned host memory mapped into the device: the chunk table going up and the partial sums coming down,
+// with the event of the last job that used it. Nothing is allocated on the device (which is full when
+// people offload) and nothing outside torch's allocator. Kept for the life of the process (grow-only, a
+// few KiB each); a job takes one that is free and whose last use has finished.
 struct Scratch {
-  std::size_t words = 0;
-  unsigned long long* device = nullptr;
-  unsigned long long* host = nullptr;
+  std::size_t chunks = 0;  // capacity
+  SumChunk* table = nullptr;
+  unsigned long long* partials = nullptr;
+  SumChunk* device_table = nullptr;  // the same memory, as the kernel addresses it
+  unsigned long long* device_partials = nullptr;
   cudaEvent_t event = nullptr;
   bool in_use = false;
 };
@@ -74,7 +81,7 @@ struct Pool {
 };
 std::array<Pool, kMaxDevices> g_pools;
 
-Scratch* acquire(int device, std::size_t words, int* sm_count) {
+Scratch* acquire(int device, std::size_t chunks, int* sm_count) {
   Pool& pool = g_pools[device];
   std::lock_guard<std::mutex> lock(pool.mutex);
   if (pool.sm_count == 0) {
@@ -82,7 +89,7 @@ Scratch* acquire(int device, std::size_t words, int* sm_count) {
   }
   *sm_count = pool.sm_count;
   for (auto& item : pool.items) {
-    if (item->in_use || item->words < words) continue;
+    if (item->in_use || item->chunks < chunks) continue;
     // A job dropped before it finished leaves its scratch busy on the GPU until then: skip it for now.
     if (cudaEventQuery(item->event) == cudaSuccess) {
       item->in_use = true;
@@ -91,17 +98,23 @@ Scratch* acquire(int device, std::size_t words, int* sm_count) {
     (void)cudaGetLastError();
   }
   auto item = std::make_unique<Scratch>();
-  std::size_t capacity = 1024;
-  while (capacity < words) capacity *= 2;
-  GO_CUDA_CHECK(cudaMalloc(&item->device, capacity * sizeof(unsigned long long)));
-  cudaError_t status = cudaMallocHost(&item->host, capacity * sizeof(unsigned long long));
+  std::size_t capacity = 256;
+  while (capacity < chunks) capacity *= 2;
+  void* host = nullptr;
+  GO_CUDA_CHECK(cudaHostAlloc(&host, capacity * (sizeof(SumChunk) + sizeof(unsigned long long)),
+                              cudaHostAllocPortable | cudaHostAllocMapped));
+  void* device_ptr = nullptr;
+  cudaError_t status = cudaHostGetDevicePointer(&device_ptr, host, 0);
   if (status == cudaSuccess) status = cudaEventCreateWithFlags(&item->event, cudaEventDisableTiming);
   if (status != cudaSuccess) {
-    if (item->host != nullptr) cudaFreeHost(item->host);
-    cudaFree(item->device);
+    cudaFreeHost(host);
     GO_CUDA_CHECK(status);
   }
-  item->words = capacity;
+  item->table = static_cast<SumChunk*>(host);
+  item->partials = reinterpret_cast<unsigned long long*>(item->table + capacity);
+  item->device_table = static_cast<SumChunk*>(device_ptr);
+  item->device_partials = reinterpret_cast<unsigned long long*>(item->device_table + capacity);
+  item->chunks = capacity;
   item->in_use = true;
   pool.items.push_back(std::move(item));
   return pool.items.back().get();
@@ -116,7 +129,10 @@ class DeviceChecksumJob final : public ChecksumJob {
  public:
   DeviceChecksumJob(int device, Scratch* scratch, std::vector<std::size_t> sizes)
       : device_(device), scratch_(scratch), sizes_(std::move(sizes)) {
-    if (scratch_ == nullptr) done_ = true;  // nothing to compute
+    if (scratch_ == nullptr) {  // nothing to compute: every storage is empty
+      done_ = true;
+      for (std::size_t n : sizes_) result_.push_back(checksum_finish(0, n));
+    }
   }
   ~DeviceChecksumJob() override {
     if (scratch_ != nullptr) release(device_, scratch_);
@@ -125,6 +141,7 @@ class DeviceChecksumJob final : public ChecksumJob {
   bool query() const override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return true;
+    DeviceGuard guard(device_);
     cudaError_t status = cudaEventQuery(scratch_->event);
     if (status == cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -137,11 +154,19 @@ class DeviceChecksumJob final : public ChecksumJob {
   std::vector<std::uint64_t> wait() override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!done_) {
-      GO_CUDA_CHECK(cudaEventSynchronize(scratch_->event));
+      {
+        DeviceGuard guard(device_);
+        GO_CUDA_CHECK(cudaEventSynchronize(scratch_->event));
+      }
       const std::size_t n = sizes_.size();
-      const unsigned long long* sums = scratch_->host + 3 * n + 1;
+      const unsigned long long* partials = scratch_->partials;
       result_.resize(n);
-      for (std::size_t i = 0; i < n; ++i) result_[i] = checksum_finish(sums[i], sizes_[i]);
+      std::size_t c = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        unsigned long long sum = 0;
+        for (std::uint64_t k = checksum_detail::num_chunks(sizes_[i]); k > 0; --k) sum += partials[c++];
+        result_[i] = checksum_finish(sum, sizes_[i]);
+      }
       release(device_, scratch_);
       scratch_ = nullptr;
       done_ = true;
@@ -171,38 +196,28 @@ std::shared_ptr<ChecksumJob> checksum_device_async(int device, const std::vector
     GO_CHECK(sizes[i] == 0 || ptrs[i] != 0, "null pointer for storage " + std::to_string(i));
     total_chunks += checksum_detail::num_chunks(sizes[i]);
   }
-  if (n == 0) return std::make_shared<DeviceChecksumJob>(device, nullptr, std::vector<std::size_t>{});
+  if (total_chunks == 0) return std::make_shared<DeviceChecksumJob>(device, nullptr, sizes);
 
   DeviceGuard guard(device);
   int sm_count = 0;
-  Scratch* scratch = acquire(device, table_words(n), &sm_count);
+  Scratch* scratch = acquire(device, total_chunks, &sm_count);
   auto user = reinterpret_cast<cudaStream_t>(stream);
   try {
-    unsigned long long* host = scratch->host;
-    unsigned long long chunk = 0;
+    std::size_t c = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      host[i] = ptrs[i];
-      host[n + i] = sizes[i];
-      host[2 * n + i] = chunk;
-      host[3 * n + 1 + i] = 0;
-      chunk += checksum_detail::num_chunks(sizes[i]);
+      for (std::uint64_t begin = 0; begin < sizes[i]; begin += kChunkBytes) {
+        const std::uint64_t end = begin + kChunkBytes < sizes[i] ? begin + kChunkBytes : sizes[i];
+        scratch->table[c++] = {ptrs[i], begin, end, 0};
+      }
     }
-    host[3 * n] = chunk;
-    const std::size_t bytes = table_words(n) * sizeof(unsigned long long);
-    GO_CUDA_CHECK(cudaMemcpyAsync(scratch->device, host, bytes, cudaMemcpyHostToDevice, user));
-    if (total_chunks != 0) {
-      const unsigned long long most = static_cast<unsigned long long>(sm_count) * kBlocksPerSm;
-      const unsigned int grid = static_cast<unsigned int>(total_chunks < most ? total_chunks : most);
-      checksum_kernel<<<grid, kThreads, 0, user>>>(reinterpret_cast<const std::uint64_t*>(scratch->device), n,
-                                                   scratch->device + 3 * n + 1);
-      GO_CUDA_CHECK(cudaGetLastError());
-    }
-    GO_CUDA_CHECK(cudaMemcpyAsync(host + 3 * n + 1, scratch->device + 3 * n + 1, n * sizeof(unsigned long long),
-                                           cudaMemcpyDeviceToHost, user));
+    const unsigned long long most = static_cast<unsigned long long>(sm_count) * kBlocksPerSm;
+    const unsigned int grid = static_cast<unsigned int>(total_chunks < most ? total_chunks : most);
+    checksum_kernel<<<grid, kThreads, 0, user>>>(scratch->device_table, total_chunks, scratch->device_partials);
+    GO_CUDA_CHECK(cudaGetLastError());
     GO_CUDA_CHECK(cudaEventRecord(scratch->event, user));
   } catch (...) {
-    // Whatever was enqueued may still use the scratch: mark its end before handing it back.
-    if (cudaEventRecord(scratch->event, user) != cudaSuccess) (void)cudaGetLastError();
+    // A launched kernel may still use the scratch: wait for the stream before handing it back.
+    if (cudaStreamSynchronize(user) != cudaSuccess) (void)cudaGetLastError();
     release(device, scratch);
     throw;
   }

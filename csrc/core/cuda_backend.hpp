@@ -68,11 +68,19 @@ struct Batch {
 
 // Enqueues the batch for `device`, ordered after the work already enqueued on user_stream and after every
 // event in waits. When user_waits is set, user_stream waits (on the GPU) for the whole batch, so later
-// work on it cannot overwrite what the copy still reads.
+// work on it cannot overwrite what the copy still reads. When it throws, nothing of the batch is still
+// running (what was enqueued has been waited for), so the caller may free the host region at once.
 EventPtr copy_batch(int device, const Batch& batch, std::uintptr_t user_stream, const std::vector<EventPtr>& waits,
                     bool user_waits);
 
-// True when host_base lies in page-locked memory mapped into the device address space.
-bool is_mapped_host(std::uintptr_t host_base);
+// True when host_base lies in page-locked memory mapped into `device`'s address space.
+bool is_mapped_host(int device, std::uintptr_t host_base);
+
+// The engine's streams on `device` (created on first use), as cudaStream_t integers: the copy engines'
+// D2H and H2D streams, then the gather kernels' D2H and H2D streams. A caller that frees memory a batch
+// may still read or write (torch's caching allocator) must order the reuse after these streams. Every
+// batch's completion is recorded on its copy-engine stream after it has joined the kernel stream, so
+// work recorded on a copy-engine stream later than a batch covers that batch's kernel too.
+std::vector<std::uintptr_t> engine_streams(int device);
 
 }  // namespace gpu_offload::cuda

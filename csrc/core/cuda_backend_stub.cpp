@@ -23,6 +23,10 @@ EventPtr copy_batch(int, const Batch&, std::uintptr_t, const std::vector<EventPt
   GO_FAIL("gpu_offload was built without CUDA: rebuild with GPU_OFFLOAD_CUDA=1 to copy device memory");
 }
 
-bool is_mapped_host(std::uintptr_t) { return false; }
+bool is_mapped_host(int, std::uintptr_t) { return false; }
+
+std::vector<std::uintptr_t> engine_streams(int) {
+  GO_FAIL("gpu_offload was built without CUDA: it has no device streams");
+}
 
 }  // namespace gpu_offload::cuda

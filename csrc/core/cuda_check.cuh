@@ -2,9 +2,11 @@
 // error's name and string, and clears the error so a later call does not see it again.
 #pragma once
 
+#include <cuda.h>  // types only: driver functions are reached through cudaGetDriverEntryPointByVersion
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 
 #include "errors.hpp"
 
@@ -21,17 +23,87 @@
 
 namespace gpu_offload::cuda {
 
-// Makes `device` current for the scope and puts the caller's device back afterwards.
+// The few driver calls the runtime has no equivalent for: which context is current on this thread (the
+// runtime's cudaGetDevice answers 0 for a thread that has none) and whether a device's primary context
+// exists. Resolved once through the runtime, so nothing links against libcuda; null where unavailable.
+struct DriverApi {
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*primary_ctx_get_state)(CUdevice, unsigned int*, int*) = nullptr;
+};
+
+inline const DriverApi& driver_api() {
+  static const DriverApi api = [] {
+    DriverApi a;
+    const auto load = [](const char* name, auto& fn) {
+      void* ptr = nullptr;
+      cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+      if (cudaGetDriverEntryPointByVersion(name, &ptr, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+          found == cudaDriverEntryPointSuccess) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(ptr);
+      } else {
+        (void)cudaGetLastError();
+      }
+    };
+    load("cuCtxGetCurrent", a.ctx_get_current);
+    load("cuCtxSetCurrent", a.ctx_set_current);
+    load("cuDevicePrimaryCtxGetState", a.primary_ctx_get_state);
+    return a;
+  }();
+  return api;
+}
+
+// True when `device`'s primary context exists (making it current then creates nothing new).
+inline bool has_primary_context(int device) {
+  const DriverApi& d = driver_api();
+  if (d.primary_ctx_get_state == nullptr) return true;  // cannot tell: behave as before
+  unsigned int flags = 0;
+  int active = 0;
+  return d.primary_ctx_get_state(device, &flags, &active) == CUDA_SUCCESS && active != 0;
+}
+
+// Makes `device` current for the scope and afterwards puts back exactly the context that was current
+// before, including none at all. (Restoring "device 0" in a thread that had no current device, as
+// cudaGetDevice reports it, would create a ~500 MB context on GPU 0 in every rank of a multi-GPU job.)
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    GO_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) GO_CUDA_CHECK(cudaSetDevice(device));
+    const DriverApi& d = driver_api();
+    if (d.ctx_get_current != nullptr && d.ctx_set_current != nullptr &&
+        d.ctx_get_current(&previous_ctx_) == CUDA_SUCCESS) {
+      exact_ = true;
+    }
+    int current = -1;
+    GO_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device || (exact_ && previous_ctx_ == nullptr)) {
+      GO_CUDA_CHECK(cudaSetDevice(device));
+      changed_ = true;
+      previous_device_ = current;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (!changed_) return;
+    if (exact_) {
+      driver_api().ctx_set_current(previous_ctx_);
+    } else {
+      cudaSetDevice(previous_device_);
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = 0;
+  CUcontext previous_ctx_ = nullptr;
+  int previous_device_ = 0;
+  bool exact_ = false;
+  bool changed_ = false;
 };
+
+// True when the calling thread has a current context (false also when that cannot be told).
+inline bool thread_has_context() {
+  const DriverApi& d = driver_api();
+  CUcontext ctx = nullptr;
+  return d.ctx_get_current != nullptr && d.ctx_get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr;
+}
 
 }  // namespace gpu_offload::cuda
