@@ -1,66 +1,154 @@
 #!/usr/bin/env bash
-# The one GPU check: build the extension on the lent H200, run the cuda-marked tests and the whole suite, run
-# the GPU benchmark on every layout, and print a short table last. Writes everything under $OUT (or ./out).
-#   run from the repo root:  bash benchmarks/gpu_check.sh
-# Budget: about 7 minutes on an H200 (build ~1 min, tests ~1 min, strategies ~30 s, soak and threads
-# ~2.5 min, bench ~2 min); run it with timeout_s=540.
-# megatron-core is not on the H200: carry it as wheels first (here, in the repo root):
+# The one GPU check, for a lent H200 (15 minutes a loan, 1-2 of them to start): one command that ends within
+# 6 minutes, so that a second run fits. Stages in priority order, each under its own `timeout` (cut further
+# to what is left of the 6 minutes), none stopping the rest:
+#   machine -> build (archs 90) + C++ tests -> cuda-marked tests -> benchmark (all five layouts, gather
+#   threshold swept in the same process) -> strategies on NCCL -> short soak -> thread stress
+# Writes at most 8 small files under $OUT (or ./out): check.log (everything), record.json (commit, machine,
+# each stage's status and seconds, the benchmark summary), pytest-cuda.txt, bench-small.json,
+# bench-qwen7b.json, strategies.json, soak.json. Prints one summary table last.
+#   run from the repo root:  GPU_CHECK_COMMIT=<sha> bash benchmarks/gpu_check.sh    (run's timeout_s=420)
+# The device copy has no .git: pass the commit in GPU_CHECK_COMMIT (it is recorded as "unknown" otherwise).
+# megatron-core is not on the H200: carry it as wheels (here, in the repo root):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==0.19.2
 # and name .whl in the device call's `carry`; without it the megatron check is recorded as not run.
+# Without a GPU (to time the script itself) the GPU stages are recorded as skipped within seconds.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GPU_OFFLOAD_CUDA=1 GPU_OFFLOAD_CUDA_ARCHS=${GPU_OFFLOAD_CUDA_ARCHS:-90}
+BUDGET=${GPU_CHECK_BUDGET_S:-360}
+START=$(date +%s)
+DEADLINE=$((START + BUDGET))
 PY=${PYTHON:-python3}
-log() { echo "== $* ($(date +%H:%M:%S))"; }
+COMMIT=${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} GPU_OFFLOAD_CUDA=1
+export GPU_OFFLOAD_CUDA_ARCHS=${GPU_OFFLOAD_CUDA_ARCHS:-90} GPU_OFFLOAD_BUILD_DIR=${GPU_OFFLOAD_BUILD_DIR:-$PWD/build/cmake}
+SWEEP=${GPU_CHECK_GATHER_SWEEP:-0,65536,262144,1048576}
+STAGES="$OUT/.stages"  # name status seconds, one line per stage (folded into record.json, then removed)
+: >"$STAGES"
+exec > >(tee "$OUT/check.log") 2>&1
 
-log "machine"
-nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv | tee "$OUT/machine.txt"
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/machine.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$OUT/machine.txt"
+HAVE_GPU=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAVE_GPU=1; fi
 
-log "wheels carried in .whl (if any)"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
+# stage NAME LIMIT_S NEEDS_GPU COMMAND...: runs COMMAND under `timeout` (LIMIT_S, or what is left of the
+# budget less a reserve for the summary) and records how it ended; never stops the script.
+stage() {
+  local name=$1 limit=$2 gpu=$3
+  shift 3
+  local now left status rc t0
+  now=$(date +%s)
+  left=$((DEADLINE - now - 8))
+  if [ "$gpu" = 1 ] && [ "$HAVE_GPU" = 0 ]; then
+    echo "== $name: skipped (no GPU)"
+    echo "$name skipped-no-gpu 0" >>"$STAGES"
+    return
+  fi
+  if [ "$left" -lt 5 ]; then
+    echo "== $name: skipped (budget spent)"
+    echo "$name skipped-no-time 0" >>"$STAGES"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s, $(date +%H:%M:%S))"
+  t0=$(date +%s)
+  # In a child bash, so that shell functions run under `timeout` too (it signals the whole group).
+  timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@"
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status=fail-rc$rc ;;
+  esac
+  echo "$name $status $(($(date +%s) - t0))" >>"$STAGES"
+  echo "== $name: $status in $(($(date +%s) - t0))s"
+}
 
-log "build"
-start=$(date +%s)
-$PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5 | tee "$OUT/build.txt"
-echo "build seconds: $(( $(date +%s) - start ))" | tee -a "$OUT/build.txt"
-$PY -c "import gpu_offload as go, json; print(json.dumps(go.build_info())); assert go.cuda_available()" | tee -a "$OUT/build.txt" || exit 1
+machine() {
+  if [ "$HAVE_GPU" = 1 ]; then
+    nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv
+  fi
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+  echo "commit $COMMIT"
+  if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (megatron-core)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+}
 
-log "C++ unit tests"
-ctest --test-dir build/cmake --output-on-failure 2>&1 | tail -5 | tee "$OUT/ctest.txt"
+build() {
+  $PY setup.py -q build_ext --inplace 2>&1 | tail -15 || return 1
+  $PY -c "import gpu_offload as go, json; print(json.dumps(go.build_info())); assert go.cuda_available() or not $HAVE_GPU" || return 1
+  ctest --test-dir "$GPU_OFFLOAD_BUILD_DIR" --output-on-failure 2>&1 | tail -4
+}
 
-log "tests (cuda-marked first, then all)"
-$PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/pytest-cuda.txt"
-$PY -m pytest -q -p no:cacheprovider -x tests 2>&1 | tail -15 | tee "$OUT/pytest-all.txt"
+cuda_tests() {
+  local extra=()
+  $PY -c "import pytest_timeout" 2>/dev/null && extra=(--timeout 60)
+  $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${extra[@]}" tests 2>&1 | tee "$OUT/pytest-cuda.txt" | tail -30
+}
 
-log "strategies on the GPU (FSDP1, FSDP2, megatron-core DDP; NCCL, world size 1)"
-timeout 240 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies-h200.json" 2>&1 | grep -v Warning | tail -8 \
-  | tee "$OUT/strategies.txt"
+bench() {  # $1: json file, rest: --layout arguments
+  local json=$1
+  shift
+  $PY -m gpu_offload bench --device cuda "$@" --repeats 3 --no-baselines --gather-sweep "$SWEEP" --json "$json" 2>&1 | tail -40
+}
 
-log "soak (1000 cycles, leak check, checksum overhead) and two threads for 30 s"
-timeout 150 $PY benchmarks/soak.py --device cuda --cycles 1000 --json "$OUT/soak-h200.json" 2>&1 | tail -12 | tee "$OUT/soak.txt"
-timeout 60 $PY benchmarks/stress_threads.py --device cuda --seconds 30 2>&1 | tail -4 | tee "$OUT/threads.txt"
+export -f machine build cuda_tests bench
+export PY HAVE_GPU OUT COMMIT SWEEP
+stage machine 15 0 machine
+[ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+stage build 110 0 build
+stage cuda-tests 75 1 cuda_tests
+# Four layouts in one process, the 15 GB one in a second: a slow qwen7b cannot cost the others' figures.
+stage bench-small 35 1 bench "$OUT/bench-small.json" --layout tiny4k --layout small64k --layout mixed --layout qwen1.5b
+stage bench-qwen7b 45 1 bench "$OUT/bench-qwen7b.json" --layout qwen7b
+stage strategies 35 1 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies.json"
+stage soak 25 1 $PY benchmarks/soak.py --device cuda --cycles 200 --warmup 10 --json "$OUT/soak.json"
+stage threads 12 1 $PY benchmarks/stress_threads.py --device cuda --seconds 6
 
-log "benchmark"
-timeout 300 $PY -m gpu_offload bench --device cuda --layout all --repeats 5 \
-  --json "$OUT/bench-h200.json" --plot "$OUT/bench-h200.png" 2>&1 | tee "$OUT/bench-h200.txt"
+# The record and the summary table (printed last).
+$PY - "$OUT" "$COMMIT" "$BUDGET" "$(($(date +%s) - START))" <<'PYEOF'
+import datetime, json, os, platform, subprocess, sys
 
-log "summary"
-$PY - "$OUT/bench-h200.json" <<'PYEOF'
-import json, sys
+out, commit, budget, elapsed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+stages = []
+with open(os.path.join(out, ".stages")) as f:
+    for line in f:
+        name, status, seconds = line.split()
+        stages.append({"stage": name, "status": status, "seconds": int(seconds)})
+os.remove(os.path.join(out, ".stages"))
 try:
-    data = json.load(open(sys.argv[1]))
-except Exception as exc:
-    print("no benchmark JSON:", exc); sys.exit(0)
-print(f"{'layout':<10} {'method':<34} {'dir':<4} {'GB/s':>7} {'x limit':>8}")
-for res in data["results"]:
-    for r in res["rows"]:
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"{res['layout']:<10} {r['method']:<34} {r['direction']:<4} {r['gbps']:7.2f} {ratio:>8}")
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20).stdout.strip() or None
+except Exception:
+    gpu = None
+rows = []
+for name in ("bench-small.json", "bench-qwen7b.json"):
+    try:
+        data = json.load(open(os.path.join(out, name)))
+    except Exception:
+        continue
+    for res in data["results"]:
+        for r in res["rows"]:
+            if r["method"] == "limit":
+                continue
+            rows.append({"layout": res["layout"], "method": r["method"].replace("gpu_offload.", ""),
+                         "dir": r["direction"], "gbps": round(r["gbps"], 2),
+                         "x_limit": None if r["ratio"] is None else round(r["ratio"], 3)})
+record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+          "machine": {"gpu": gpu, "host": platform.node(), "python": platform.python_version()},
+          "budget_s": budget, "elapsed_s": elapsed, "stages": stages, "bench": rows}
+with open(os.path.join(out, "record.json"), "w") as f:
+    json.dump(record, f, indent=1)
+print()
+print(f"{'layout':<10} {'method':<32} {'dir':<4} {'GB/s':>7} {'x limit':>8}")
+for r in rows:
+    ratio = "" if r["x_limit"] is None else f"{r['x_limit']:.2f}"
+    print(f"{r['layout']:<10} {r['method']:<32} {r['dir']:<4} {r['gbps']:7.2f} {ratio:>8}")
+print()
+print(f"{'stage':<14} {'status':<16} {'s':>5}    commit {commit[:12]}, {elapsed}s of {budget}s, GPU: {gpu}")
+for s in stages:
+    print(f"{s['stage']:<14} {s['status']:<16} {s['seconds']:>5}")
 PYEOF

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -176,7 +176,7 @@ def _release_torch_pinned() -> None:
 
 
 def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,
-        progress: Optional[Callable[[str], None]] = None) -> Result:
+        progress: Optional[Callable[[str], None]] = None, gather_sweep: Sequence[int] = ()) -> Result:
     """Measures every method on one layout; returns rows with GB/s and the ratio to the limit."""
     step = progress or (lambda _name: None)
     tensors = make_tensors(layout, device)
@@ -237,6 +237,9 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
     if api.is_offloaded(tensors):
         api.reload(tensors)
     result.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
+    if gather_sweep and device.type == "cuda":
+        step("gather threshold sweep")
+        _gather_sweep(tensors, device, repeats, arena, add, gather_sweep)
 
     if device.type == "cuda":
         # Both directions at once: the limit is one D2H and one H2D of the same bytes on two streams; the
@@ -327,3 +330,38 @@ def default_scale(layout_name: str, device: torch.device) -> int:
     if device.type == "cuda":
         return 1
     return {"qwen1.5b": 16, "qwen7b": 64, "small64k": 4, "tiny4k": 2, "mixed": 16}.get(layout_name, 1)
+
+
+def _gather_sweep(tensors: dict[str, torch.Tensor], device: torch.device, repeats: int, arena: Arena,
+                  add: Callable[..., None], thresholds: Sequence[int]) -> None:
+    """snapshot+wait and restore with GPU_OFFLOAD_GATHER_MAX_BYTES set to each threshold in turn (storages up
+    to it go through the gather/scatter kernel), in this process; one row per threshold and direction."""
+    import os
+
+    from . import plan as _plan
+
+    before = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES")
+    try:
+        for limit in thresholds:
+            os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = str(int(limit))
+            _plan.clear_cache()  # plans read the threshold when they are built
+            holder: dict[str, Any] = {}
+
+            def snap() -> None:
+                holder["snap"] = api.snapshot(tensors, arena=arena).wait()
+
+            def free_snap() -> None:
+                if "snap" in holder:
+                    holder.pop("snap").free()
+
+            note = f"GPU_OFFLOAD_GATHER_MAX_BYTES={int(limit)}"
+            add(f"snapshot+wait, gather<={int(limit)}", "d2h", _time(snap, device, repeats, setup=free_snap), note)
+            add(f"restore, gather<={int(limit)}", "h2d",
+                _time(lambda: api.restore(tensors, holder["snap"]), device, repeats), note)
+            free_snap()
+    finally:
+        if before is None:
+            os.environ.pop("GPU_OFFLOAD_GATHER_MAX_BYTES", None)
+        else:
+            os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = before
+        _plan.clear_cache()

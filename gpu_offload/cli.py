@@ -52,10 +52,23 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: 1 on a GPU, a per-layout factor on the CPU)")
     b.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
     b.add_argument("--no-baselines", action="store_true", help="skip the per-tensor baseline methods")
+    b.add_argument("--gather-sweep", type=_byte_list, default=(), metavar="BYTES,...",
+                   help="on a GPU, also time snapshot and restore with each gather threshold "
+                        "(GPU_OFFLOAD_GATHER_MAX_BYTES), e.g. 0,65536,262144,1048576")
     b.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     b.add_argument("--plot", type=Path, default=None, help="write a PNG plot of GB/s per method here")
     sub.add_parser("info", help="version, build, devices, pinned-memory limits, arena defaults")
     return p
+
+
+def _byte_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated byte counts, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"byte counts must not be negative: {text!r}")
+    return values
 
 
 def _device(name: Optional[str]):
@@ -139,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 progress.update(task, advance=1, description=f"{layout.name}: {what}")
 
             results.append(bench.run(layout, device, repeats=args.repeats, baselines=not args.no_baselines,
-                                     progress=step))
+                                     progress=step, gather_sweep=args.gather_sweep))
     for res in results:
         table = Table(title=f"{res.layout} on {res.device}: {res.num_tensors} tensors, {res.nbytes / 1e9:.3f} GB"
                             + (f" (scaled 1/{res.scale})" if res.scale > 1 else ""))
