@@ -113,14 +113,18 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
         sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
         events = plans.run(True, region.ptr, stream_waits=not overlap)
-        if overlap and events:
+    except BaseException as exc:
+        region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
+        raise
+    if overlap and events:
+        try:
             # Later work does not wait for the copy: keep the sources alive until it has read them, and
             # tell the allocator in case someone releases their memory anyway (resize_(0)).
             _plan.mark_in_use(_first_views(resolved), to_host=True)
             _overlap.defer(events, resolved.storages())
-    except BaseException as exc:
-        region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
-        raise
+        except BaseException:
+            region.release(events)
+            raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     return Snapshot(layout, region, events, sums)
 
