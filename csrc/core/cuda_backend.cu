@@ -207,7 +207,7 @@ int runtime_version() {
 
 std::string architectures() { return GPU_OFFLOAD_CUDA_ARCHS; }
 
-// Pinning needs a current context. In a thread with none (the first snapshot from a fresh thread, or a
+// Pinning (and unpinning) needs a current context. In a thread with none (the first snapshot from a fresh thread, or a
 // rank that never called set_device) the runtime would create one on GPU 0; pin under a device whose
 // context already exists instead (the one the tensors live on), and leave the thread as it was.
 class PinContext {
@@ -238,7 +238,10 @@ void* host_alloc(std::size_t num_bytes) {
   return ptr;
 }
 
-void host_free(void* ptr) { GO_CUDA_CHECK(cudaFreeHost(ptr)); }
+void host_free(void* ptr) {
+  PinContext pin;  // unpinning needs a context too (trim() from a fresh thread)
+  GO_CUDA_CHECK(cudaFreeHost(ptr));
+}
 
 bool host_register(void* ptr, std::size_t num_bytes) {
   PinContext pin;
@@ -249,7 +252,10 @@ bool host_register(void* ptr, std::size_t num_bytes) {
   return false;
 }
 
-void host_unregister(void* ptr) { GO_CUDA_CHECK(cudaHostUnregister(ptr)); }
+void host_unregister(void* ptr) {
+  PinContext pin;
+  GO_CUDA_CHECK(cudaHostUnregister(ptr));
+}
 
 Event::~Event() {
   // Destroying a recorded event is legal before it completes; resources are released once it does.
