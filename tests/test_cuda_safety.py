@@ -469,3 +469,14 @@ def test_7_offload_reload_from_a_fresh_thread_creates_no_second_context():
             pytest.skip(f"nvidia-smi absent or not listing this process; GPU 0 is the only GPU: {report}")
         return
     assert report["used_after_mib"] - report["used_before_mib"] < 256, report
+
+
+def test_gather_sweep_option_parses_byte_lists():
+    import argparse
+
+    from gpu_offload import cli
+
+    assert cli._byte_list("0,65536, 262144,1048576") == (0, 65536, 262144, 1048576)
+    for bad in ("64k", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli._byte_list(bad)
