@@ -103,7 +103,9 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     if overlap and events:
         _overlap.defer(events)
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
-    return Snapshot(layout, region, events, sums)
+    snap = Snapshot(layout, region, events, sums)
+    snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
+    return snap
 
 
 def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:

@@ -141,6 +141,10 @@ class TargetPlan:
         for i, spec in enumerate(bound.layout.tensors):
             first.setdefault(spec.storage, i)
         self.first_tensor = [first[i] for i in range(len(bound.layout.storages))]
+        # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
+        # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
+        self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
+            n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._lock = threading.Lock()
