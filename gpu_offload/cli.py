@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: 1 on a GPU, a per-layout factor on the CPU)")
     b.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
     b.add_argument("--no-baselines", action="store_true", help="skip the per-tensor baseline methods")
+    b.add_argument("--stager", action="store_true", help="also time checkpoint staging: gpu_offload's ArenaStager "
+                   "beside torch.distributed.checkpoint's own stager, first call and steady state")
     b.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     b.add_argument("--plot", type=Path, default=None, help="write a PNG plot of GB/s per method here")
     sub.add_parser("info", help="version, build, devices, pinned-memory limits, arena defaults")
@@ -140,6 +142,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             results.append(bench.run(layout, device, repeats=args.repeats, baselines=not args.no_baselines,
                                      progress=step))
+            if args.stager:  # checkpoint staging (gpu_offload/bench_stager.py), in the same table
+                from . import bench_stager
+
+                results[-1].rows.extend(bench_stager.rows(
+                    layout, device, repeats=args.repeats, progress=step,
+                    limit_gbps=results[-1].info.get("limits_gbps", {}).get("d2h")))
     for res in results:
         table = Table(title=f"{res.layout} on {res.device}: {res.num_tensors} tensors, {res.nbytes / 1e9:.3f} GB"
                             + (f" (scaled 1/{res.scale})" if res.scale > 1 else ""))

@@ -466,3 +466,35 @@ def test_cuda_saves_pin_nothing_after_the_first(tmp_path: Path) -> None:
     out = {k: torch.zeros(1024, 256) for k in sd}
     dcp.load(out, checkpoint_id=str(tmp_path / "c1"), no_dist=True)
     _assert_tree_equal(out, {k: v.cpu() for k, v in sd.items()}, "CUDA save")
+
+
+# ------------------------------------------------------------------------------------------ bench --stager
+
+
+def test_bench_stager_rows_beside_dcp(tmp_path: Path) -> None:
+    import json
+
+    from gpu_offload import cli
+
+    layout = tmp_path / "tiny.json"
+    layout.write_text(json.dumps({"name": "tiny-stager", "dtype": "float32", "runs": [[[64, 128], 5], [[300], 4]]}))
+    nbytes = (5 * 64 * 128 + 4 * 300) * 4
+    assert cli.main(["bench", "--layout", str(layout), "--repeats", "1", "--no-baselines", "--stager",
+                     "--json", str(tmp_path / "out.json")]) == 0
+    (res,) = json.loads((tmp_path / "out.json").read_text())["results"]
+    rows = {r["method"]: r for r in res["rows"]}
+    from gpu_offload.bench_stager import dcp_stager
+
+    dcp_name = dcp_stager(torch.device("cpu"))[0]
+    limit = next(r["gbps"] for r in res["rows"] if r["method"] == "limit" and r["direction"] == "d2h")
+    for name in ("ArenaStager", dcp_name):
+        for when in ("first call", "steady state"):
+            r = rows[f"{name} {when}"]
+            assert r["direction"] == "d2h" and r["nbytes"] == nbytes and r["seconds"] > 0
+            assert r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9)
+            assert r["ratio"] == pytest.approx(r["gbps"] / limit)
+    # Without the flag, no staging rows.
+    assert cli.main(["bench", "--layout", str(layout), "--repeats", "1", "--no-baselines",
+                     "--json", str(tmp_path / "plain.json")]) == 0
+    (res,) = json.loads((tmp_path / "plain.json").read_text())["results"]
+    assert not any("Stager" in r["method"] for r in res["rows"])
