@@ -37,6 +37,7 @@ from . import api
 from ._errors import OffloadError
 from .arena import Arena, default_arena
 from .snapshot import Snapshot
+from .storages import PLAIN_TENSOR_TYPES
 
 try:
     from torch.distributed.checkpoint.staging import AsyncStager
@@ -57,12 +58,20 @@ def flatten_state_dict(state_dict: Any) -> tuple[dict[str, torch.Tensor], Callab
     state dict of the same structure (dicts, lists, tuples) from tensors with those names. Non-tensor
     values are deep-copied into the rebuilt structure (so that training cannot change them before they are
     written), as DCP's own stager does."""
+    if (type(state_dict) is dict and set(map(type, state_dict)) <= {str}
+            and set(map(type, state_dict.values())) <= PLAIN_TENSOR_TYPES):
+        # A flat dict of plain tensors (a model's state_dict()): its keys are the snapshot's names and the
+        # staged dict is the snapshot's state_dict() itself, with no per-tensor work here.
+        return state_dict, lambda staged: staged
     tensors: dict[str, torch.Tensor] = {}
 
     def name_for(path: str) -> str:
-        name, i = path or "tensor", 1
-        while name in tensors:  # a key with a dot in it may meet a nested path of the same spelling
-            name, i = f"{path}#{i}", i + 1
+        # The snapshot names a tensor by its key with trailing dots stripped ("tensor" if empty): keep
+        # names that it leaves as they are, and unique (a key with a dot in it may meet a nested path).
+        base = path if path and not path.endswith(".") else f"{path}#"
+        name, i = base, 1
+        while name in tensors:
+            name, i = f"{base}#{i}", i + 1
         return name
 
     def walk(obj: Any, path: str) -> Callable[[dict[str, torch.Tensor]], Any]:

@@ -127,8 +127,13 @@ class TargetPlan:
         # the cache then (the weakref callback) and a hit needs no identity check per tensor.
         key = tuple(map(id, tensors))
         self.key = key
+        fired: list[bool] = []
+
         def forget(_: Any) -> None:
-            _forget(key)
+            # Once per plan, not once per tensor: pruning hashes the key, a tuple as long as the target.
+            if not fired:
+                fired.append(True)
+                _forget(key)
 
         self.refs = [weakref.ref(t, forget) for t in tensors]
         self.ptrs = ptrs

@@ -498,3 +498,19 @@ def test_bench_stager_rows_beside_dcp(tmp_path: Path) -> None:
                      "--json", str(tmp_path / "plain.json")]) == 0
     (res,) = json.loads((tmp_path / "plain.json").read_text())["results"]
     assert not any("Stager" in r["method"] for r in res["rows"])
+
+
+def test_a_dying_target_queues_its_plan_once() -> None:
+    # Every tensor of a dead target used to queue the plan's key (a tuple as long as the target) for
+    # pruning, which then hashed it once per tensor: a first stage after a 65536-tensor target died took
+    # minutes. One entry per plan now.
+    from gpu_offload import plan as _plan
+
+    tensors = {f"t{i}": torch.zeros(2) for i in range(300)}
+    go.snapshot(tensors).free()
+    _plan._prune()
+    assert not _plan._dead_keys
+    del tensors
+    gc.collect()
+    assert len(_plan._dead_keys) == 1
+    _plan._prune()
