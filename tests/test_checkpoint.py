@@ -317,7 +317,8 @@ def test_structure_and_non_tensor_values_pass_through() -> None:
     shared = torch.randn(4, 4)
     groups = [{"lr": 0.1, "params": [0, 1]}]
     sd = {"m": {"w": shared, "w_view": shared[1:], "tied": shared}, "list": [torch.ones(2), "x", 3],
-          "tuple": (torch.zeros(1), None), "param_groups": groups, "dotted.key": torch.ones(1), "dotted": {"key": torch.zeros(1)}}
+          "tuple": (torch.zeros(1), None), "param_groups": groups, "dotted.key": torch.ones(1), "dotted": {"key": torch.zeros(1)},
+          "trailing.": torch.full((1,), 2.0), "trailing": torch.full((1,), 4.0), "": torch.full((1,), 3.0)}
     before = shared.clone()
     with ArenaStager(arena) as stager:
         staged = stager.stage(sd)
@@ -331,6 +332,7 @@ def test_structure_and_non_tensor_values_pass_through() -> None:
         assert isinstance(staged["tuple"], tuple) and staged["tuple"][1] is None
         assert staged["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
         assert torch.equal(staged["dotted.key"], torch.ones(1)) and torch.equal(staged["dotted"]["key"], torch.zeros(1))
+        assert [float(staged[k]) for k in ("trailing.", "trailing", "")] == [2.0, 4.0, 3.0]
         assert arena.used_bytes > 0 and stager.staged_bytes > 0
         del staged
     assert arena.used_bytes == 0
