@@ -438,18 +438,25 @@ def test_cuda_stage_is_the_state_at_the_call(overlap: bool) -> None:
     if not _cuda():
         pytest.skip("no CUDA device")
     arena = go.Arena(min_slab_bytes=64 * _MIB)
-    src = {"w": torch.randn(4096, 1024, device="cuda"), "small": [torch.randn(257, device="cuda") for _ in range(64)]}
-    expected = _clone_tree({"w": src["w"].cpu(), "small": [t.cpu() for t in src["small"]]})
+    params = [torch.nn.Parameter(torch.randn(4096, 1024, device="cuda"))]
+    params += [torch.nn.Parameter(torch.randn(257, device="cuda")) for _ in range(64)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(params, lr=1.0)
+    src = {"w": params[0], "small": params[1:], "step": 7}
+    expected = {"w": params[0].detach().cpu(), "small": [p.detach().cpu() for p in params[1:]], "step": 7}
     with ArenaStager(arena, overlap=overlap) as stager:
         torch.cuda._sleep(50_000_000)  # the copy waits behind queued work
         out = stager.stage(src)
-        src["w"].add_(1)  # enqueued after the stage: must not reach the staged copy (stream order)
-        for t in src["small"]:
-            t.mul_(-1)
+        # Enqueued after the stage: must not reach the staged copy. Without overlap the current stream
+        # waits for the copy; with overlap the optimizer step does (gpu_offload's step pre-hook).
+        opt.step()
         staged = out.result() if overlap else out
-        assert all(t.device.type == "cpu" and t.is_pinned() for t in [staged["w"], *staged["small"]])
+        host = [staged["w"], *staged["small"]]
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in host)
         _assert_tree_equal(staged, expected, "staged on CUDA")
-        del staged, out
+        assert not torch.equal(params[0].detach().cpu(), expected["w"]), "the step changed nothing"
+        del staged, out, host
 
 
 @pytest.mark.cuda
