@@ -417,6 +417,24 @@ def _sharded_module_rank(rank: int, world_size: int) -> None:
     snap.free()
 
 
+def test_protocol_overlap_future_and_release() -> None:
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    stager = ArenaStager(arena, overlap=True)
+    assert isinstance(stager, AsyncStager) and stager.should_synchronize_after_execute is False
+    src = {"a": torch.randn(100), "b": [torch.randn(3, 3)]}
+    fut = stager.stage(src)
+    stager.synchronize_staging()
+    staged = fut.result()
+    assert torch.equal(staged["a"], src["a"]) and torch.equal(staged["b"][0], src["b"][0])
+    assert stager.staged_bytes == (100 + 9) * 4 and arena.used_bytes > 0
+    del fut, staged
+    gc.collect()
+    assert stager.staged_bytes == 0 and arena.used_bytes == 0  # dropped staged dict: its region is back
+    stager.close()
+
+
 def test_stage_after_close_is_an_error() -> None:
     stager = ArenaStager(go.Arena(min_slab_bytes=4 * _MIB))
     stager.close()
