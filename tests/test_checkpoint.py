@@ -8,10 +8,8 @@ saves; errors before anything is written. CUDA-marked tests run where a GPU answ
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +305,10 @@ def test_snapshot_state_dict_plain(tmp_path: Path) -> None:
     assert set(staged) == {"a", "b"} and all(t.device.type == "cpu" for t in staged.values())
     dcp.save(staged, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     snap.free()
+    with pytest.raises(go.OffloadError, match="freed"):
+        snap.state_dict()
+    with pytest.raises(go.OffloadError, match="meta tensors"):  # the same checks as every snapshot, first
+        go.snapshot({"m": torch.empty(2, device="meta")})
     out = {"a": torch.zeros(10, 3), "b": torch.zeros(7, dtype=torch.int16)}
     dcp.load(out, checkpoint_id=str(tmp_path / "s"), no_dist=True)
     _assert_tree_equal(out, expected, "snapshot saved with dcp")
