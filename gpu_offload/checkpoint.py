@@ -2,8 +2,8 @@
 
 `dcp.async_save` first stages the state dict (a copy in host memory that training cannot change), then
 writes the copy from a background thread. `ArenaStager` stages with one batched, stream-ordered snapshot
-into the pinned arena (every tensor of the state dict at once, DTensor local shards included), so it moves
-at the link's speed from the first checkpoint on the second and pins nothing after the first:
+into the pinned arena (every tensor of the state dict at once, DTensor local shards included): the arena
+is pinned once, by the first checkpoint, and every later one copies into the same memory:
 
     from gpu_offload.checkpoint import ArenaStager
 
