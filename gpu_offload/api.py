@@ -126,7 +126,9 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             region.release(events)
             raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
-    return Snapshot(layout, region, events, sums)
+    snap = Snapshot(layout, region, events, sums)
+    snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
+    return snap
 
 
 def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:

@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--gather-sweep", type=_byte_list, default=(), metavar="BYTES,...",
                    help="on a GPU, also time snapshot and restore with each gather threshold "
                         "(GPU_OFFLOAD_GATHER_MAX_BYTES), e.g. 0,65536,262144,1048576")
+    b.add_argument("--stager", action="store_true", help="also time checkpoint staging: gpu_offload's ArenaStager "
+                   "beside torch.distributed.checkpoint's own stager, first call and steady state")
     b.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     b.add_argument("--plot", type=Path, default=None, help="write a PNG plot of GB/s per method here")
     sub.add_parser("info", help="version, build, devices, pinned-memory limits, arena defaults")
@@ -153,6 +155,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             results.append(bench.run(layout, device, repeats=args.repeats, baselines=not args.no_baselines,
                                      progress=step, gather_sweep=args.gather_sweep))
+            if args.stager:  # checkpoint staging (gpu_offload/bench_stager.py), in the same table
+                from . import bench_stager
+
+                results[-1].rows.extend(bench_stager.rows(
+                    layout, device, repeats=args.repeats, progress=step,
+                    limit_gbps=results[-1].info.get("limits_gbps", {}).get("d2h")))
     for res in results:
         table = Table(title=f"{res.layout} on {res.device}: {res.num_tensors} tensors, {res.nbytes / 1e9:.3f} GB"
                             + (f" (scaled 1/{res.scale})" if res.scale > 1 else ""))

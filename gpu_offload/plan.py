@@ -184,8 +184,13 @@ class TargetPlan:
         # the cache then (the weakref callback) and a hit needs no identity check per tensor.
         key = tuple(map(id, tensors))
         self.key = key
+        fired: list[bool] = []
+
         def forget(_: Any) -> None:
-            _forget(key)
+            # Once per plan, not once per tensor: pruning hashes the key, a tuple as long as the target.
+            if not fired:
+                fired.append(True)
+                _forget(key)
 
         self.refs = [weakref.ref(t, forget) for t in tensors]
         self.ptrs = ptrs
@@ -198,6 +203,10 @@ class TargetPlan:
         for i, spec in enumerate(bound.layout.tensors):
             first.setdefault(spec.storage, i)
         self.first_tensor = [first[i] for i in range(len(bound.layout.storages))]
+        # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
+        # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
+        self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
+            n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._lock = threading.Lock()

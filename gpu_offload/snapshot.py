@@ -21,6 +21,10 @@ class Snapshot:
     the GPU. Use as a context manager to free it at the end of a block.
     """
 
+    # name -> DTensorSpec of the tensors that were DTensors at snapshot time (set by snapshot(); in memory
+    # only, never saved: a loaded snapshot has none).
+    _dtensor_specs: Optional[dict[str, Any]] = None
+
     def __init__(self, layout: Layout, region: Region, events: list[Any],
                  checksums: Optional[_integrity.Checksums] = None) -> None:
         self._layout = layout
@@ -117,6 +121,32 @@ class Snapshot:
             itemsize = spec.dtype.itemsize
             typed = base[: base.numel() // itemsize * itemsize].view(spec.dtype)
             out[spec.name] = torch.as_strided(typed, spec.shape, spec.stride, spec.offset)
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The snapshot as a state dict for torch.distributed.checkpoint: names to host tensors (those of
+        `tensors()`, after waiting for the copy), each one that was a DTensor at snapshot time wrapped again
+        as a DTensor with the same mesh, placements and global shape, so that
+        `dcp.save(snap.state_dict(), checkpoint_id=...)` writes a checkpoint that `dcp.load` reshards.
+
+        The tensors alias the snapshot, as `tensors()` does: save before freeing it.
+
+        Raises:
+            OffloadError: the snapshot was freed, or it is of an FSDP/Megatron module (whose tensors are this
+                rank's flat shards, not a state dict: snapshot `model.state_dict()` or
+                `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` instead).
+        """
+        if self._layout.shard_info is not None:
+            raise OffloadError("state_dict(): this snapshot is of a sharded module (FSDP/Megatron), whose tensors "
+                               "are the rank's flat shards, not a state dict; snapshot model.state_dict() or "
+                               "get_state_dict(model, optimizer) to save it with torch.distributed.checkpoint")
+        out = self.tensors()
+        if self._dtensor_specs:
+            from torch.distributed.tensor import DTensor
+
+            # Built from the spec, not DTensor.from_local, which would move the host shard to the mesh's device.
+            for name, spec in self._dtensor_specs.items():
+                out[name] = DTensor(out[name], spec, requires_grad=False)
         return out
 
     # -- integrity (gpu_offload/integrity.py; files are gpu_offload.save / gpu_offload.load) ----------------

@@ -148,3 +148,30 @@ def test_megatron_mis(flags: list[str]) -> None:
     for step in later:
         assert step["ratio_min"] < 1 < step["ratio_max"] and 0.5 < step["ratio_mean"] < 1.5, step
         assert f"step {step['step']}: importance ratio pi_v2/pi_v1 mean {step['ratio_mean']:.6f}" in proc.stdout
+
+
+def test_async_checkpoint() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    # Two gloo ranks spawned by the example; a checkpoint every 3 of 12 steps (the defaults).
+    proc = run_example("async_checkpoint.py", timeout=240)
+    s = summary(proc)
+    assert s["ok"] is True and s["world_size"] == 2 and len(s["ranks"]) == 2
+    for r in s["ranks"]:
+        rank = r["rank"]
+        # The last checkpoint, loaded into a fresh model, is the state at its save although training went on.
+        assert r["verified"] is True and r["changed_since"] is True
+        assert f"rank {rank}: OK: " in proc.stdout and "bitwise the state at its save" in proc.stdout
+        saves = r["saves"]
+        assert [x["step"] for x in saves] == [3, 6, 9]
+        # Each save stages this rank's shards (about half of the model and AdamW state), into an arena that
+        # neither grows nor allocates after the first save.
+        assert all(x["staged_bytes"] == saves[0]["staged_bytes"] > 0 for x in saves)
+        assert {(x["arena_capacity"], x["slab_allocations"]) for x in saves} == {
+            (saves[0]["arena_capacity"], saves[0]["slab_allocations"])}
+        assert len(r["losses"]) == 12 and all(x > 0 for x in r["losses"])
+        assert f"rank {rank}: step 9: checkpoint of {saves[-1]['staged_bytes']} bytes staged" in proc.stdout
+    total = sum(r["saves"][0]["staged_bytes"] for r in s["ranks"])
+    assert abs(s["ranks"][0]["saves"][0]["staged_bytes"] - total / 2) < total / 8
