@@ -30,7 +30,7 @@ import gpu_offload as go  # noqa: E402
 from gpu_offload.adapters import deepspeed as ds_adapter  # noqa: E402
 from gpu_offload.integrations.deepspeed import offload_states, reload_states  # noqa: E402
 from gpu_offload.integrations.verl import GpuOffloadSlotsMixin  # noqa: E402
-from helpers_dist import batch, build_qwen2, lm_loss, run_ranks  # noqa: E402
+from helpers_dist import QWEN2_TINY, batch, lm_loss, run_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -46,10 +46,59 @@ full_only = pytest.mark.skipif(not FULL, reason="full DeepSpeed matrix: set GPU_
 PERSISTENCE_THRESHOLD = 64
 
 
+class TinyLM(torch.nn.Module):
+    """Embedding, two MLP blocks with LayerNorm (small parameters ZeRO-3 keeps whole) and a tied head."""
+
+    def __init__(self, vocab: int = QWEN2_TINY["vocab_size"], hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                torch.nn.Linear(2 * hidden, hidden))
+            for _ in range(2))
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x) * self.scale)
+
+
+def build_model(seed: int, dtype: torch.dtype) -> TinyLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyLM().to(dtype)
+
+
+_seen_group: list[Any] = [None]
+
+
+def _forget_stale_groups() -> None:
+    """DeepSpeed caches process groups in module globals; world-size-1 tests run in this process, each with a
+    fresh default group, so the cache of the previous test's group is dropped."""
+    from deepspeed.utils import groups
+
+    default = dist.distributed_c10d._get_default_group()
+    if _seen_group[0] is default:
+        return
+    _seen_group[0] = default
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper():
+            if isinstance(value, dict):
+                value.clear()
+            elif isinstance(value, dist.ProcessGroup):
+                setattr(groups, name, None)
+
+
 def make_engine(stage: int, bf16: bool, seed: int = 0, fused_adam: bool = False) -> Any:
+    _forget_stale_groups()
     # What a launcher sets; the process group itself is run_ranks' (DeepSpeed adopts it).
     os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()), LOCAL_RANK=str(dist.get_rank()))
-    model = build_qwen2(seed=seed)
+    model = build_model(seed, torch.bfloat16 if bf16 else torch.float32)
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
