@@ -155,7 +155,9 @@ def _inner_state(inner: Any, masters: list[torch.Tensor], prefix: str, out: Name
         entry = state.get(master)
         for key in sorted(entry or ()):
             value = entry[key]
-            if isinstance(value, torch.Tensor):
+            # "<key>_offload_buffer": the host copies DeepSpeed's own stage-3 offload_states keeps in the state
+            # after its first use; not device state.
+            if isinstance(value, torch.Tensor) and not key.endswith("_offload_buffer"):
                 out.append((f"{prefix}state.{i}.{key}", value))
 
 
