@@ -216,7 +216,9 @@ def check_round_trips(rank: int, world_size: int, stage: int, bf16: bool, mis: b
 
     info = ds_adapter.deepspeed_shard_info(a)
     assert info["stage"] == stage and info["dp"] == [world_size, rank]
-    return {"nbytes": nbytes}
+    masters = ds_adapter.deepspeed_state(a, include_grads=False, reshard=False)["hp_params"]
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in a.module.parameters())
+    return {"nbytes": nbytes, "master_numel": sum(t.numel() for _, t in masters), "full_numel": full}
 
 
 DEFAULT = [(1, False, 1), (2, True, 1), (3, True, 1), (3, False, 2)]
@@ -229,8 +231,18 @@ def _id(c: tuple[int, bool, int]) -> str:
 
 @pytest.mark.parametrize("stage,bf16,world", DEFAULT, ids=[_id(c) for c in DEFAULT])
 def test_round_trips_match_twin(stage: int, bf16: bool, world: int) -> None:
-    results = run_ranks(check_round_trips, world, stage, bf16, stage == 3, timeout=300)
-    if world == 2 and stage > 0:  # each rank copies only its partitions
+    check_partitions(run_ranks(check_round_trips, world, stage, bf16, stage == 3, timeout=300), stage, bf16)
+
+
+def check_partitions(results: list[dict[str, int]], stage: int, bf16: bool) -> None:
+    """Each rank holds (and copies) its own 1/world of the fp32 masters, not all of them."""
+    full, world = results[0]["full_numel"], len(results)
+    for r in results:
+        if stage == 0:
+            assert r["master_numel"] == (full if bf16 else 0), r
+        else:  # padding: a few elements per parameter (ZeRO-3) or per group
+            assert full // world <= r["master_numel"] <= full // world + 256, (r, full)
+    if world == 2 and stage > 0:
         assert results[0]["nbytes"] == results[1]["nbytes"]
 
 
@@ -238,7 +250,7 @@ def test_round_trips_match_twin(stage: int, bf16: bool, world: int) -> None:
 @full_only
 @pytest.mark.parametrize("stage,bf16,world", MATRIX, ids=[_id(c) for c in MATRIX])
 def test_round_trips_match_twin_full(stage: int, bf16: bool, world: int) -> None:
-    run_ranks(check_round_trips, world, stage, bf16, stage == 3, timeout=300)
+    check_partitions(run_ranks(check_round_trips, world, stage, bf16, stage == 3, timeout=300), stage, bf16)
 
 
 # ------------------------------------------------------------------------------ layouts that differ
