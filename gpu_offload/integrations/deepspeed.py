@@ -6,8 +6,9 @@ OpenRLHF and other DeepSpeed trainers free the GPU for generation with::
     ...generate with vLLM...
     engine.reload_states()
 
-DeepSpeed's own allocates pinned buffers on first use per engine, copies tensor group by tensor group,
-asserts FusedAdam for stage 3, and (stage 3) drops the reduction bucket. These take the same arguments
+DeepSpeed's own (0.19.8) pins new host buffers on every call for stages 1/2 (per engine on first use for
+stage 3), copies tensor group by tensor group, asserts FusedAdam for stage 3, and (stage 3) drops the
+reduction bucket. These take the same arguments
 and do the same job through gpu_offload: one batched copy into the shared pinned arena, the same tensor
 objects afterwards (storages are released and re-allocated in place), any optimizer, stages 0-3::
 
