@@ -21,7 +21,7 @@ $(PY):
 $(STAMP): $(SOURCES) | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)" setuptools wheel "pybind11>=2.12" ninja cmake
-	$(PIP) install --no-build-isolation -e ".[test,all]"
+	$(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
 	touch $(STAMP)
 
 build: setup

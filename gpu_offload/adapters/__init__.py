@@ -6,7 +6,8 @@ prefix "i.". Strategy wrappers are detected from the objects themselves:
 
 * FSDP1 (FullyShardedDataParallel): each rank's flat-parameter shards (adapters.fsdp);
 * FSDP2 (fully_shard): the local shards of the DTensor parameters (adapters.fsdp);
-* Megatron-core DDP: the flat param (and grad) buffers (adapters.megatron), and Megatron optimizers.
+* Megatron-core DDP: the flat param (and grad) buffers (adapters.megatron), and Megatron optimizers;
+* DeepSpeed engines, ZeRO optimizers (stages 0-3) and ZeRO-3 modules: each rank's partitions (adapters.deepspeed).
 
 Everything after this layer works on storages, so views, tied weights and flat buffers need no
 special case here.
@@ -76,12 +77,14 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
 def shard_info(target: Any) -> Optional[str]:
     """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
     optimizers), as canonical JSON keyed by part index; None when nothing in it is sharded."""
-    from . import fsdp, megatron
+    from . import deepspeed, fsdp, megatron
 
     info: dict[str, Any] = {}
     for i, part in enumerate(parts(target)):
         if megatron.is_megatron_ddp(part) or megatron.is_megatron_optimizer(part):
             info[str(i)] = megatron.megatron_shard_info(part)
+        elif deepspeed.is_deepspeed(part):
+            info[str(i)] = deepspeed.deepspeed_shard_info(part)
         elif isinstance(part, torch.nn.Module) and (fsdp.is_fsdp1(part) or fsdp.is_fsdp2(part)):
             info[str(i)] = fsdp.fsdp_shard_info(part)
     return json.dumps(info, sort_keys=True, default=str) if info else None
@@ -101,7 +104,7 @@ def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top:
     elif isinstance(obj, torch.nn.Module):
         out.extend((prefix + name, t) for name, t in module_tensors(obj, include_grads=include_grads, reshard=reshard))
     elif _is_optimizer(obj):
-        out.extend((prefix + name, t) for name, t in optimizer_tensors(obj))
+        out.extend((prefix + name, t) for name, t in optimizer_tensors(obj, include_grads=include_grads))
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
@@ -127,15 +130,19 @@ def _is_plain_value(obj: Any) -> bool:
 def _is_optimizer(obj: Any) -> bool:
     if isinstance(obj, torch.optim.Optimizer):
         return True
-    from . import megatron
+    from . import deepspeed, megatron
 
-    return megatron.is_megatron_optimizer(obj)
+    return megatron.is_megatron_optimizer(obj) or deepspeed.is_deepspeed_optimizer(obj)
 
 
 def module_tensors(module: torch.nn.Module, *, include_grads: bool, reshard: bool = True) -> NamedTensors:
     """A module's parameters (and grads if asked) and buffers, through the strategy that wraps it."""
-    from . import fsdp, megatron
+    from . import deepspeed, fsdp, megatron
 
+    if deepspeed.is_deepspeed_engine(module):
+        return deepspeed.engine_named_tensors(module, include_grads=include_grads, reshard=reshard)
+    if deepspeed.is_zero3_module(module):
+        return deepspeed.zero3_module_named_tensors(module, include_grads=include_grads, reshard=reshard)
     if megatron.is_megatron_ddp(module):
         return megatron.megatron_ddp_named_tensors(module, include_grads=include_grads)
     if fsdp.is_fsdp1(module):
@@ -156,13 +163,15 @@ def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> Nam
     return out
 
 
-def optimizer_tensors(optimizer: Any) -> NamedTensors:
+def optimizer_tensors(optimizer: Any, *, include_grads: bool = False) -> NamedTensors:
     """The optimizer's state tensors, named "state.<param index>.<key>" with parameters numbered in
     param_groups order, as torch's own state_dict() numbers them."""
-    from . import megatron
+    from . import deepspeed, megatron
 
     if megatron.is_megatron_optimizer(optimizer):
         return megatron.megatron_optimizer_named_tensors(optimizer)
+    if deepspeed.is_deepspeed_optimizer(optimizer):
+        return deepspeed.optimizer_named_tensors(optimizer, include_grads=include_grads)
     return torch_optimizer_tensors(optimizer)
 
 

@@ -13,7 +13,8 @@ whatever the strategy) with the same names and meanings:
 
 (verl's `register` decorator is what makes Ray dispatch a method to every rank; it is verl's, so the
 worker applies it.) The module is found under the attributes verl's workers use (`actor_module_fsdp`,
-`actor.engine.module`, `actor.actor_module`, `actor_module`); override `gpu_offload_target()` otherwise.
+`actor.engine.module`, `actor.actor_module`, `actor_module`); override `gpu_offload_target()` otherwise. A
+DeepSpeed engine found there stands for its module (the slots are weights: ZeRO-3 partitions, not the optimizer).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class GpuOffloadSlotsMixin:
         for path in _TARGET_PATHS:
             target = _lookup(self, path)
             if target is not None:
-                return target
+                from ..adapters.deepspeed import is_deepspeed_engine
+
+                return target.module if is_deepspeed_engine(target) else target
         raise OffloadError(f"{type(self).__qualname__}: no actor module found under {', '.join(_TARGET_PATHS)}; "
                            "override gpu_offload_target()")
 
