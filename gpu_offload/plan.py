@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import operator
 import os
 import threading
 import weakref
@@ -136,6 +137,12 @@ class TargetPlan:
         self.keys = bound.keys
         self.storage_nbytes = [s.nbytes() for s in bound.storages]
         self.storage_ptrs = [s.data_ptr() for s in bound.storages]
+        # What a hit must also find unchanged: t_(), `.data = .view(dtype)` or `.data = .data[:5]` keep the
+        # tensor, its address and its storage but not its view. (The offset needs no check of its own: with
+        # the same storage at the same address, the same data_ptr and the same dtype it cannot differ.)
+        self.shapes = [t.shape for t in bound.layout.tensors]
+        self.strides = [t.stride for t in bound.layout.tensors]
+        self.dtypes = [t.dtype for t in bound.layout.tensors]
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
         for i, spec in enumerate(bound.layout.tensors):
@@ -198,6 +205,9 @@ def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if type(t) in PLAIN_TENSOR_TYPES else unwrap(t) for t in tensors]
 
 
+_shape_of = operator.attrgetter("shape")  # the attribute is cheaper than the size() call
+_dtype_of = operator.attrgetter("dtype")
+
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
 _cache_lock = threading.Lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
@@ -236,9 +246,12 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
             plan = _cache.get(key)
             if plan is not None:
                 _cache.move_to_end(key)
-        if plan is not None and plan.ptrs == ptrs and plan.names == names:
-            # Same tensors at the same addresses; the storages must be the same ones with the same sizes
-            # too (memory freed and re-allocated at the same address with another size is not the same).
+        if (plan is not None and plan.ptrs == ptrs and plan.names == names
+                and list(map(_shape_of, plain)) == plan.shapes and list(map(_dtype_of, plain)) == plan.dtypes
+                and list(map(torch.Tensor.stride, plain)) == plan.strides):
+            # Same tensors at the same addresses viewing them the same way; the storages must be the same
+            # ones with the same sizes too (memory freed and re-allocated at the same address with another
+            # size is not the same).
             storages = _first_storages(plan, plain)
             if ([s._cdata for s in storages] == plan.keys
                     and list(map(torch.UntypedStorage.nbytes, storages)) == plan.storage_nbytes):

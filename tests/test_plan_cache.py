@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gpu_offload as go
@@ -61,3 +62,39 @@ def test_cache_holds_no_tensors_alive(arena):
     del t
     gc.collect()
     assert ref() is None
+
+
+def _view_changes():
+    # Each changes how a tensor views its storage while keeping the tensor, its address and its storage.
+    def transpose(m: dict) -> None:
+        m["w"].t_()
+
+    def reinterpret(m: dict) -> None:
+        m["buf"].data = m["buf"].data.view(torch.int32)
+
+    def narrow(m: dict) -> None:
+        m["p"].data = m["p"].data[:5]
+
+    return [("transpose", transpose, "w", "stride"), ("dtype", reinterpret, "buf", "dtype"),
+            ("narrow", narrow, "p", "shape")]
+
+
+@pytest.mark.parametrize("name,change,tensor,field", _view_changes(), ids=[c[0] for c in _view_changes()])
+def test_a_changed_view_of_the_same_storage_is_not_served_from_the_cache(arena, name, change, tensor, field):
+    target = {"w": torch.randn(3, 4), "buf": torch.randn(6), "p": torch.nn.Parameter(torch.randn(10))}
+    go.snapshot(target, arena=arena).free()  # plan cached
+    old = go.snapshot(target, arena=arena)
+    ptr = target[tensor].data_ptr()
+    change(target)
+    assert target[tensor].data_ptr() == ptr  # same tensor, same address, same storage
+
+    new = go.snapshot(target, arena=arena)
+    spec = {t.name: t for t in new.layout.tensors}[tensor]
+    live = target[tensor]
+    assert (spec.shape, spec.stride, spec.dtype) == (tuple(live.shape), live.stride(), live.dtype)
+    assert torch.equal(new.tensors()[tensor].contiguous().view(torch.uint8), live.detach().contiguous().view(torch.uint8))
+    with pytest.raises(go.LayoutMismatchError, match=f"{tensor}: {field}"):
+        go.restore(target, old)
+    go.restore(target, new)  # and the new layout's plan is cached and usable
+    old.free()
+    new.free()
