@@ -3,6 +3,7 @@ errors for truncated, corrupt, foreign and missing files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -43,8 +44,11 @@ def saved(tmp_path: Path, arena: go.Arena) -> tuple[Path, dict[str, torch.Tensor
     return path, state
 
 
-def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None) -> None:
-    """Writes a safetensors file with the same tensors/metadata as src, except what is given."""
+def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None, rehash: bool = True) -> None:
+    """Writes a safetensors file with the same tensors/metadata as src, except what is given. An edited
+    layout gets a matching layout_sha256 (a crafted file, not a damaged one) unless rehash is False."""
+    import hashlib
+
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -53,6 +57,8 @@ def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None) -> None:
         data = {k: f.get_tensor(k) for k in f.keys()}
     if metadata is not None:
         meta = metadata(meta)
+        if rehash and isinstance(meta.get("layout"), str) and "layout_sha256" in meta:
+            meta["layout_sha256"] = hashlib.sha256(meta["layout"].encode()).hexdigest()
     if tensors is not None:
         data = tensors(data)
     save_file(data, str(dst), metadata=meta)
@@ -109,7 +115,8 @@ def test_the_file_is_plain_safetensors(saved):
     tensors = load_file(str(path))
     assert sorted(tensors) == [f"storage.{i}" for i in range(len(tensors))]
     meta = _metadata(path)
-    assert meta["format"] == "gpu_offload.snapshot" and meta["format_version"] == "1"
+    assert meta["format"] == "gpu_offload.snapshot" and meta["format_version"] == "2"
+    assert meta["layout_sha256"] == hashlib.sha256(meta["layout"].encode()).hexdigest()
     assert meta["package_version"] == go.__version__
     layout = json.loads(meta["layout"])
     assert [t["name"] for t in layout["tensors"]] == list(state)
@@ -158,16 +165,37 @@ def test_a_corrupt_host_copy_is_not_saved(tmp_path, arena):
         go.save(snap, path)
 
 
-def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, arena):
+def _age(path: Path, seconds: float = 3600) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, arena):
+    import fcntl
+
     path = tmp_path / "x.snap"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"x.snap.tmp-{dead.pid}-0"
     stale.write_bytes(b"partial")
-    alive = tmp_path / f"x.snap.tmp-{os.getppid()}-0"  # a live process (pytest's parent): left alone
-    alive.write_bytes(b"partial")
-    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
-    assert not stale.exists() and alive.exists()
+    _age(stale)
+    # A writer in another PID namespace (a container sharing the filesystem): its PID means nothing here,
+    # may even be that of a dead process here, but it holds the lock on its temporary.
+    foreign = tmp_path / f"x.snap.tmp-{dead.pid}-1-0badf00d"
+    foreign.write_bytes(b"partial")
+    _age(foreign)
+    held = os.open(foreign, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    # Just created, not locked yet (a writer between its open and its flock): too young to judge.
+    young = tmp_path / f"x.snap.tmp-{dead.pid}-2"
+    young.write_bytes(b"partial")
+    try:
+        go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
+        assert not stale.exists() and foreign.exists() and young.exists()
+    finally:
+        os.close(held)
+    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)  # its writer is gone now
+    assert not foreign.exists() and young.exists()
 
 
 _KILL_CHILD = textwrap.dedent("""
@@ -193,22 +221,28 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_file_loadable(tmp_p
         child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(path)], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "saved"
-            # Wait until a save is under way (its temporary exists), then kill at once.
+            # Wait until a save is under way (a temporary of any name exists), then kill at once.
             deadline = time.monotonic() + 30
-            while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+            while os.listdir(tmp_path) == ["w.snap"] and time.monotonic() < deadline:
                 time.sleep(0.001)
             os.kill(child.pid, signal.SIGKILL)
         finally:
             child.kill()
             child.wait()
-        temporaries = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+        temporaries = [n for n in os.listdir(tmp_path) if n != "w.snap"]
         hits += bool(temporaries)
+        # Only temporaries that the next save recognises (no writer library's own temporary file).
+        assert all(n.startswith("w.snap.tmp-") for n in temporaries), temporaries
         loaded = go.load(path, arena=arena)  # complete and checked, whichever version it is
         w = loaded.tensors()["w"]
         assert w.numel() == 16 << 20 and bool((w == w[0]).all())
         loaded.free()
         for n in temporaries:
-            os.unlink(tmp_path / n)
+            _age(tmp_path / n)
+        again = go.load(path, arena=arena)
+        go.save(again, path)  # sweeps them: their writer is gone
+        again.free()
+        assert os.listdir(tmp_path) == ["w.snap"]
         if hits >= 2:
             break
     assert hits >= 1, "the kill never landed in the middle of a save"
@@ -341,8 +375,8 @@ def test_foreign_files_are_refused(tmp_path, arena):
 def test_a_newer_format_version_is_refused(saved, tmp_path, arena):
     path, _ = saved
     bad = tmp_path / "bad.snap"
-    _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "2"})
-    _assert_refused(bad, arena, "format version 2.*newer gpu_offload")
+    _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "3"})
+    _assert_refused(bad, arena, "format version 3.*newer gpu_offload")
     _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "one"})
     _assert_refused(bad, arena, "format_version 'one' is not a number")
 
