@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, random_tensor
+from conftest import assert_bitwise_equal, bits, random_tensor
 from gpu_offload import persist
 
 
@@ -387,3 +388,241 @@ def test_load_into_an_arena_too_small_changes_nothing(saved):
     with pytest.raises(go.OffloadError, match="arena cap exceeded"):
         go.load(path, arena=small)
     assert small.used_bytes == 0
+
+
+# -- the layout is checksummed; crafted and hostile headers ------------------------------------------------
+def _header_span(raw: bytes) -> tuple[int, int]:
+    return 8, 8 + int.from_bytes(raw[:8], "little")
+
+
+def test_every_single_bit_flip_in_the_header_is_refused_or_harmless(tmp_path, arena):
+    state = {"w": random_tensor((4, 3), torch.float32, torch.device("cpu"), seed=1),
+             "v": random_tensor((6,), torch.int16, torch.device("cpu"), seed=2)}
+    state["t"] = state["w"][1:].t()
+    path = tmp_path / "x.snap"
+    with go.snapshot(state, arena=arena) as snap:
+        go.save(snap, path)
+    raw = path.read_bytes()
+    good = go.load(path, arena=arena)
+    expected = {k: (v.shape, v.stride(), v.dtype, v.clone()) for k, v in good.tensors().items()}
+    good.free()
+    begin, end = _header_span(raw)
+    bad = tmp_path / "bad.snap"
+    accepted = []
+    for i in range(begin, end):
+        for bit in range(8):
+            flipped = bytearray(raw)
+            flipped[i] ^= 1 << bit
+            bad.write_bytes(bytes(flipped))
+            try:
+                loaded = go.load(bad, arena=arena)
+            except go.OffloadError:
+                continue
+            got = {k: (v.shape, v.stride(), v.dtype, v.clone()) for k, v in loaded.tensors().items()}
+            loaded.free()
+            same = got.keys() == expected.keys() and all(
+                got[k][:3] == expected[k][:3] and torch.equal(bits(got[k][3]), bits(expected[k][3]))
+                for k in got)
+            if not same:
+                accepted.append((i, bit, raw[i:i + 1]))
+    assert not accepted, f"{len(accepted)} header bit flips loaded other tensors: {accepted[:5]}"
+    assert arena.used_bytes == 0
+
+
+def _crafted(path: Path, storages: list[dict], entries: list[list[int]], data: bytes, tensors=()) -> None:
+    import hashlib
+
+    layout = json.dumps({"checksum_algorithm": persist.CHECKSUM_ALGORITHM, "checksum_source": "host copy",
+                         "tensors": list(tensors), "storages": storages, "shard_info": None})
+    meta = {"format": persist.FORMAT, "format_version": "2", "package_version": go.__version__,
+            "layout": layout, "layout_sha256": hashlib.sha256(layout.encode()).hexdigest()}
+    header = {"__metadata__": meta}
+    for i, (s, e) in enumerate(zip(storages, entries)):
+        header[f"storage.{i}"] = {"dtype": "U8", "shape": [s["nbytes"]], "data_offsets": e}
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_overlapping_storages_are_refused_before_any_memory_is_taken(tmp_path):
+    from gpu_offload import integrity
+
+    n = 1 << 20
+    data = bytes(range(256)) * (n // 256)
+    arena = go.Arena(min_slab_bytes=1 << 20)
+    probe = go.snapshot({"x": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, arena=arena)
+    checksum = integrity.host_checksums(probe.layout, probe._live().ptr)[0]
+    probe.free()
+    arena.trim()
+    # 64 storages of 1 MiB declared, all at the same 1 MiB of the file: each would check out.
+    storages = [{"name": f"s{i}", "nbytes": n, "device": "cpu", "checksum": f"{checksum:016x}"} for i in range(64)]
+    bad = tmp_path / "bad.snap"
+    _crafted(bad, storages, [[0, n]] * 64, data)
+    with pytest.raises(go.OffloadError, match="overlaps"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0  # nothing was pinned for it
+    _crafted(bad, storages[:2], [[0, n], [n + 8, 2 * n + 8]], data + b"\0" * 8 + data)
+    with pytest.raises(go.OffloadError, match="gap of 8 bytes"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0
+
+
+def test_a_refused_load_does_not_keep_the_slab_it_pinned(saved, tmp_path):
+    path, _ = saved
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(bytes(raw))
+    arena = go.Arena(min_slab_bytes=1 << 20)
+    with pytest.raises(go.OffloadError, match="data corrupt"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0 and arena.used_bytes == 0
+
+
+@pytest.mark.parametrize("version", [["1"], None, 1, "1.0", "١"], ids=["list", "null", "int", "float", "arabic-digit"])
+def test_a_format_version_of_the_wrong_type_is_refused(saved, tmp_path, arena, version):
+    path, _ = saved
+    raw = path.read_bytes()
+    begin, end = _header_span(raw)
+    header = json.loads(raw[begin:end])
+    header["__metadata__"]["format_version"] = version
+    text = json.dumps(header).encode()
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
+    _assert_refused(bad, arena, "format_version")
+
+
+@pytest.mark.parametrize("what", ["nested-header", "long-int-header", "nested-layout", "long-int-layout"])
+def test_hostile_json_is_refused_with_an_offload_error(saved, tmp_path, arena, what):
+    path, _ = saved
+    raw = path.read_bytes()
+    begin, end = _header_span(raw)
+    bad = tmp_path / "bad.snap"
+    if what.endswith("header"):
+        junk = b"[" * 200_000 + b"]" * 200_000 if what == "nested-header" else b"1" + b"0" * 5000
+        text = b'{"x":' + junk + b"," + raw[begin + 1:end]
+        bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
+        _assert_refused(bad, arena, "not JSON")
+        return
+
+    def edit(meta):
+        junk = "[" * 200_000 + "]" * 200_000 if what == "nested-layout" else "1" + "0" * 5000
+        meta["layout"] = '{"x":' + junk + "," + meta["layout"][1:]
+        return meta
+
+    _rewrite(path, bad, metadata=edit)
+    _assert_refused(bad, arena, "corrupt layout")
+
+
+def test_a_shape_too_large_for_a_tensor_is_refused(saved, tmp_path, arena):
+    path, _ = saved
+
+    def edit(meta):
+        layout = json.loads(meta["layout"])
+        layout["tensors"][0].update(shape=[2 ** 70], stride=[0], offset=0)
+        meta["layout"] = json.dumps(layout)
+        return meta
+
+    bad = tmp_path / "bad.snap"
+    _rewrite(path, bad, metadata=edit)
+    _assert_refused(bad, arena, r"corrupt layout.*w: shape")
+
+
+def test_a_load_beside_saves_of_the_same_path_sees_one_whole_version(tmp_path, arena):
+    import threading
+
+    path = tmp_path / "x.snap"
+    versions = [{"a": torch.full((20_000,), float(v)), "b": torch.full((7,), -float(v))} for v in range(2)]
+    snaps = [go.snapshot(s, arena=arena) for s in versions]
+    go.save(snaps[0], path)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def saver() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                go.save(snaps[i % 2], path)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    try:
+        for _ in range(300):
+            loaded = go.load(path, arena=arena)
+            a, b = loaded.tensors()["a"], loaded.tensors()["b"]
+            assert bool((a == a[0]).all()) and bool((b == -a[0]).all())
+            loaded.free()
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    for s in snaps:
+        s.free()
+
+
+# -- what save refuses to replace, and how it fails ----------------------------------------------------------
+def test_save_never_replaces_a_fifo_a_device_or_a_directory(tmp_path, arena):
+    snap = go.snapshot({"a": torch.zeros(3)}, arena=arena)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(go.OffloadError, match="FIFO"):
+        go.save(snap, fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    link = tmp_path / "null"
+    link.symlink_to("/dev/null")
+    with pytest.raises(go.OffloadError, match="device"):
+        go.save(snap, link)
+    assert os.path.islink(link) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(go.OffloadError, match="directory"):
+        go.save(snap, tmp_path / "dir")
+    assert sorted(os.listdir(tmp_path)) == ["dir", "fifo", "null"]
+    snap.free()
+
+
+def test_a_missing_directory_is_an_os_error(tmp_path, arena):
+    with go.snapshot({"a": torch.zeros(3)}, arena=arena) as snap, pytest.raises(FileNotFoundError):
+        go.save(snap, tmp_path / "no" / "such" / "x.snap")
+
+
+def test_disk_full_is_an_os_error_and_leaves_the_previous_file(tmp_path, arena, monkeypatch):
+    import errno
+
+    path = tmp_path / "x.snap"
+    go.save(go.snapshot({"a": torch.zeros(100_000)}, arena=arena), path)
+    before = path.read_bytes()
+    real_write = os.write
+    written = [0]
+
+    def filling_write(fd, data):
+        if written[0] > 100_000:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        n = real_write(fd, data[:50_000])
+        written[0] += n
+        return n
+
+    monkeypatch.setattr(persist.os, "write", filling_write)
+    with go.snapshot({"a": torch.ones(100_000)}, arena=arena) as snap, pytest.raises(OSError) as info:
+        go.save(snap, path)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and not isinstance(info.value, go.OffloadError)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["x.snap"]
+
+
+def test_a_version_1_file_is_still_read(saved, tmp_path, arena):
+    path, state = saved
+
+    def to_v1(meta):
+        meta = {**meta, "format_version": "1"}
+        del meta["layout_sha256"]
+        return meta
+
+    old = tmp_path / "old.snap"
+    _rewrite(path, old, metadata=to_v1)
+    with go.load(old, arena=arena) as loaded:
+        assert torch.equal(loaded.tensors()["i64"], state["i64"])
+    # ... while a version 2 file without its layout checksum is refused.
+    _rewrite(path, old, metadata=lambda m: {k: v for k, v in m.items() if k != "layout_sha256"})
+    _assert_refused(old, arena, "layout_sha256")
