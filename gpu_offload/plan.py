@@ -15,7 +15,6 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -25,6 +24,7 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
+from .arena import _env_int
 from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
@@ -112,11 +112,7 @@ def gather_max_bytes() -> int:
     """Storages up to this size go through the gather/scatter kernel instead of the copy engines (CUDA,
     pinned arena only). GPU_OFFLOAD_GATHER_MAX_BYTES; 0 (the default until it is tuned on a GPU) keeps
     every copy on the copy engines."""
-    value = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES", "0")
-    try:
-        return max(0, int(float(value)))
-    except ValueError:
-        raise OffloadError(f"GPU_OFFLOAD_GATHER_MAX_BYTES={value!r} is not a number of bytes") from None
+    return max(0, _env_int("GPU_OFFLOAD_GATHER_MAX_BYTES") or 0)
 
 
 class TargetPlan:
