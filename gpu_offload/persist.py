@@ -416,10 +416,13 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
     """
     start = time.perf_counter()
     path = os.fspath(path)
-    with open(path, "rb", buffering=1 << 20) as f:  # FileNotFoundError as is
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise _bad(path, "not a regular file")
+    # O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore the flag).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # FileNotFoundError as is
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _bad(path, "not a regular file (a FIFO, a device or a directory?)")
+    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
         size = st.st_size
         header, data_start = _read_header(f, path, size)
         meta = header.get("__metadata__")
@@ -440,7 +443,8 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
         except BaseException:
             region.release()
             if arena.capacity_bytes > capacity:
-                arena.trim()  # the slab pinned for this file is not kept for a file that was refused
+                with contextlib.suppress(Exception):  # the load's own error is the one to report
+                    arena.trim()  # the slab pinned for this file is not kept for a file that was refused
             raise
     logger.debug("loaded %d storages, %d bytes from %s in %.3f s", len(layout.storages), layout.nbytes, path,
                  time.perf_counter() - start)

@@ -626,3 +626,11 @@ def test_a_version_1_file_is_still_read(saved, tmp_path, arena):
     # ... while a version 2 file without its layout checksum is refused.
     _rewrite(path, old, metadata=lambda m: {k: v for k, v in m.items() if k != "layout_sha256"})
     _assert_refused(old, arena, "layout_sha256")
+
+
+@pytest.mark.timeout(30)
+def test_load_of_a_fifo_or_a_directory_is_refused_without_waiting(tmp_path, arena):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _assert_refused(fifo, arena, "not a regular file")
+    _assert_refused(tmp_path, arena, "not a regular file")
