@@ -311,13 +311,14 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
         stride = tuple(_int(d, f"{name}: stride") for d in _list(t["stride"], f"{name}: stride"))
         if len(shape) != len(stride):
             raise ValueError(f"{name}: shape {shape} and stride {stride} differ in length")
+        offset = _int(t["offset"], f"{name}: offset")
+        dtype = _parse_dtype(t["dtype"])
         numel = 1
         for d in shape:
             numel *= d
-        if numel > _INT64_MAX:
-            raise ValueError(f"{name}: shape {shape} has {numel} elements, more than a tensor can hold (2**63-1)")
-        offset = _int(t["offset"], f"{name}: offset")
-        dtype = _parse_dtype(t["dtype"])
+        if numel * dtype.itemsize > _INT64_MAX:  # torch's numel and nbytes are int64 (a stride-0 view may be huge)
+            raise ValueError(f"{name}: shape {shape} of {dtype} spans {numel * dtype.itemsize} bytes, more than a "
+                             "tensor can describe (2**63-1)")
         # The view must lie inside its storage, or Snapshot.tensors() would read past it.
         if all(shape):
             extent = (offset + sum((d - 1) * st for d, st in zip(shape, stride)) + 1) * dtype.itemsize

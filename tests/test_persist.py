@@ -513,18 +513,20 @@ def test_hostile_json_is_refused_with_an_offload_error(saved, tmp_path, arena, w
     _assert_refused(bad, arena, "corrupt layout")
 
 
-def test_a_shape_too_large_for_a_tensor_is_refused(saved, tmp_path, arena):
-    path, _ = saved
+@pytest.mark.parametrize("shape, stride", [([2 ** 70], [0]), ([2 ** 62], [0]), ([2 ** 31, 2 ** 31], [0, 0]),
+                                           ([1], [2 ** 64])], ids=["2**70", "2**62-bf16", "product", "stride"])
+def test_a_shape_too_large_for_a_tensor_is_refused(saved, tmp_path, arena, shape, stride):
+    path, _ = saved  # tensor 0 ("w") is bfloat16: 2**62 elements are 2**63 bytes
 
     def edit(meta):
         layout = json.loads(meta["layout"])
-        layout["tensors"][0].update(shape=[2 ** 70], stride=[0], offset=0)
+        layout["tensors"][0].update(shape=shape, stride=stride, offset=0)
         meta["layout"] = json.dumps(layout)
         return meta
 
     bad = tmp_path / "bad.snap"
     _rewrite(path, bad, metadata=edit)
-    _assert_refused(bad, arena, r"corrupt layout.*w: shape")
+    _assert_refused(bad, arena, r"corrupt layout.*w: (shape|stride)")
 
 
 def test_a_load_beside_saves_of_the_same_path_sees_one_whole_version(tmp_path, arena):
