@@ -227,7 +227,6 @@ try:  # torch.compile's guard on tensors: the same check in C++, about 3 times f
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except Exception:  # pragma: no cover - another torch
     _TensorGuards = None
-_guards_ok: Optional[bool] = None
 
 
 def _make_guards(plain: list[torch.Tensor]) -> Any:
@@ -236,28 +235,28 @@ def _make_guards(plain: list[torch.Tensor]) -> Any:
                          dynamic_dims_strides=[list(t.stride()) for t in plain])
 
 
-def _guards_work() -> bool:
+def _guards_self_test() -> bool:
     """Whether this torch's TensorGuards (a private API) takes these arguments and sees the changes that
-    matter here; checked once. Otherwise the plain check above is used alone."""
-    global _guards_ok
-    if _guards_ok is None:
-        ok = False
-        if _TensorGuards is not None:
-            try:
-                a, b = torch.zeros(2, 3), torch.zeros(6)
-                guards = _make_guards([a, b])
-                ok = guards.check(a, b)
-                a.t_()
-                ok = ok and not guards.check(a, b)
-                a.t_()
-                b.data = b.data.view(torch.int32)
-                ok = ok and not guards.check(a, b)
-                b.data = b.data.view(torch.float32)[:5]
-                ok = ok and not guards.check(a, b)
-            except Exception:
-                ok = False
-        _guards_ok = ok
-    return _guards_ok
+    matter here; run once, at import (outside any mode a caller may be in). Otherwise the plain check
+    above is used alone."""
+    if _TensorGuards is None:
+        return False
+    try:
+        a, b = torch.zeros(2, 3), torch.zeros(6)
+        guards = _make_guards([a, b])
+        ok = bool(guards.check(a, b))
+        a.t_()
+        ok = ok and not guards.check(a, b)
+        a.t_()
+        b.data = b.data.view(torch.int32)
+        ok = ok and not guards.check(a, b)
+        b.data = b.data.view(torch.float32)[:5]
+        return ok and not guards.check(a, b)
+    except Exception:
+        return False
+
+
+_guards_ok = _guards_self_test()
 
 
 class _ViewCheck:
@@ -269,7 +268,7 @@ class _ViewCheck:
 
     def __init__(self, plain: list[torch.Tensor]) -> None:
         self._guards = None
-        if plain and _guards_work():
+        if plain and _guards_ok:
             try:
                 self._guards = _make_guards(plain)
             except Exception:
