@@ -4,25 +4,34 @@
     snap = gpu_offload.load("/ckpt/policy.snap")   # into the arena, checked, ready for restore()
 
 File format (a plain safetensors file, readable by any safetensors reader):
-  * one uint8 tensor per storage, keyed "storage.<index>", holding the storage's bytes;
-  * the metadata entry "format" = "gpu_offload.snapshot", "format_version" = "1", "package_version", and
+  * one uint8 tensor per storage, keyed "storage.<index>", holding the storage's bytes, in index order with
+    no gaps or overlaps;
+  * the metadata entry "format" = "gpu_offload.snapshot", "format_version" = "2", "package_version",
     "layout": JSON with every tensor (name, storage, offset, shape, stride, dtype) and every storage (name,
-    nbytes, device, checksum as 16 hex digits). Checksums are those taken from the source when the
-    snapshot was made with checksum=True, else computed from the host copy at save time.
+    nbytes, device, checksum as 16 hex digits), and "layout_sha256": the SHA-256 of that JSON text, so
+    that a damaged layout (an offset, a shape, a storage index) is refused like damaged data. Checksums
+    are those taken from the source when the snapshot was made with checksum=True, else computed from the
+    host copy at save time.
+  * Version 1 files (gpu_offload before the layout checksum) are still read; their layout is checked for
+    consistency but not against a checksum. No single bit flip turns "2" into "1".
 
 A save interrupted at any point (even SIGKILL) leaves the previous file as it was: the new one is written
-beside it under a temporary name and only renamed over it once complete and on disk.
+(by this module, no other temporary file) beside it under a temporary name and only renamed over it once
+complete and on disk. The writer holds an flock on its temporary; a later save removes temporaries whose
+lock it can take (their writer is gone, in this PID namespace or any other) once they are a minute old.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import fcntl
+import hashlib
 import itertools
 import json
 import logging
 import os
 import re
+import stat
 import time
 from typing import Any, Optional, Union
 
@@ -38,19 +47,17 @@ from .storages import _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES, 
 logger = logging.getLogger("gpu_offload")
 
 FORMAT = "gpu_offload.snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "layout_sha256" added (1 is still read)
+_READABLE_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHM = "sum64-v1"  # csrc/core/checksum.hpp
 _KEY = "storage.{}"
 _MAX_HEADER_BYTES = 100_000_000  # what safetensors itself accepts
+_STALE_TEMPORARY_SECONDS = 60.0  # an unlocked temporary younger than this may be a writer about to lock it
+_IO_CHUNK = 64 << 20  # bytes per write/read call of one storage
+_INT64_MAX = (1 << 63) - 1
 _temporary_ids = itertools.count()
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-def _need_safetensors() -> None:
-    if importlib.util.find_spec("safetensors") is None:
-        raise ImportError("saving and loading snapshots needs the safetensors package: "
-                          "pip install 'gpu-offload[all]' (or safetensors)")
 
 
 # -- save ----------------------------------------------------------------------------------------------
@@ -79,25 +86,73 @@ def _fsync_path(path: str, directory: bool = False) -> None:
 
 
 def _remove_stale_temporaries(path: str) -> None:
-    """Deletes temporaries of earlier saves to `path` whose process is gone (killed in the middle)."""
+    """Deletes temporaries of earlier saves to `path` whose writer is gone (killed in the middle).
+
+    A writer holds an exclusive flock on its temporary from creation to rename, so a temporary whose lock
+    can be taken has no writer, whatever PID namespace it ran in (a PID says nothing across containers).
+    The age guard covers the instant between a writer creating its file and locking it.
+    """
     directory, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.tmp-(\d+)-\d+")
+    pattern = re.compile(re.escape(base) + r"\.tmp-\d+-\d+(-[0-9a-f]+)?")
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        m = pattern.fullmatch(name)
-        if m is None or int(m.group(1)) == os.getpid():
+        if pattern.fullmatch(name) is None:
+            continue
+        full = os.path.join(directory, name)
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
             continue
         try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < _STALE_TEMPORARY_SECONDS:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a writer holds it
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-                logger.debug("removed %s, left by a save that did not finish", name)
-        except (PermissionError, OverflowError, OSError):
-            pass  # alive under another user, or not a pid: leave it
+                # Still the file we locked (not one that replaced it under the same name since)?
+                if os.stat(full, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(full)
+                    logger.debug("removed %s, left by a save that did not finish", name)
+        finally:
+            os.close(fd)
+
+
+def _check_destination(path: str) -> None:
+    """Refuses to replace anything but a regular file (a device node, FIFO, socket or directory)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise OffloadError(f"cannot save to {path}: it is {kind}, not a regular file; "
+                           "a snapshot only replaces a regular file (or creates one)")
+
+
+def _header_bytes(layout: Layout, metadata: dict[str, str]) -> bytes:
+    """The safetensors header: the length, then the JSON padded with spaces to a multiple of 8."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for i, spec in enumerate(layout.storages):
+        header[_KEY.format(i)] = {"dtype": "U8", "shape": [spec.nbytes], "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data[:_IO_CHUNK])
+        data = data[n:]
 
 
 def save(snap: Snapshot, path: PathLike) -> None:
@@ -106,15 +161,15 @@ def save(snap: Snapshot, path: PathLike) -> None:
     Waits for the snapshot's copy first. A snapshot taken with checksum=True is verified before anything is
     written (a corrupt host copy is never saved); otherwise checksums of the host copy are computed and
     stored, so that `load` can always check the data. The file appears under its name only when complete
-    and synced: a crash or SIGKILL in the middle leaves the previous file at `path` intact.
+    and synced: a crash or SIGKILL in the middle leaves the previous file at `path` intact, and no other
+    file behind but the temporary, which a later save removes.
 
     Raises:
-        OffloadError: the snapshot was freed, its host copy is corrupt, or the writer failed.
-        OSError: the file cannot be written (permissions, disk full); the previous file is then intact.
+        OffloadError: the snapshot was freed, its host copy is corrupt, or `path` is something other than
+            a regular file (a device, a FIFO, a directory), which is never replaced.
+        OSError: the file cannot be written (permissions, disk full, no such directory); the previous file
+            is then intact and the temporary removed.
     """
-    _need_safetensors()
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     path = os.fspath(path)
     region = snap._live()
@@ -127,27 +182,32 @@ def save(snap: Snapshot, path: PathLike) -> None:
     else:
         checksums = _integrity.host_checksums(layout, region.ptr)
         source = "host copy"
-    view = region.buffer(owner=snap)
-    tensors = {_KEY.format(i): (torch.frombuffer(view, dtype=torch.uint8, count=s.nbytes, offset=s.host_offset)
-                                if s.nbytes else torch.empty(0, dtype=torch.uint8))
-               for i, s in enumerate(layout.storages)}
+    _check_destination(path)
+    text = _layout_json(layout, checksums, source)
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "package_version": __version__,
-                "layout": _layout_json(layout, checksums, source)}
+                "layout": text, "layout_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+    head = _header_bytes(layout, metadata)
     _remove_stale_temporaries(path)
-    temporary = f"{path}.tmp-{os.getpid()}-{next(_temporary_ids)}"
+    temporary = f"{path}.tmp-{os.getpid()}-{next(_temporary_ids)}-{os.urandom(4).hex()}"
+    view = memoryview(region.buffer(owner=snap)).cast("B")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         try:
-            save_file(tensors, temporary, metadata=metadata)
-        except OSError:
-            raise
-        except Exception as exc:  # the writer's own error type (SafetensorError)
-            raise OffloadError(f"cannot write {path}: {exc}") from exc
-        _fsync_path(temporary)  # the bytes are on disk before the name points at them
-        os.replace(temporary, path)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: the file is live (see the sweep above)
+            _write_all(fd, memoryview(head))
+            for spec in layout.storages:
+                _write_all(fd, view[spec.host_offset:spec.host_offset + spec.nbytes])
+            os.fsync(fd)  # the bytes are on disk before the name points at them
+            _check_destination(path)  # again: it may have become something else meanwhile
+            os.replace(temporary, path)
+        finally:
+            os.close(fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+    finally:
+        view.release()
     _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)  # and so is the rename
     logger.debug("saved %d storages, %d bytes to %s in %.3f s", len(layout.storages), layout.nbytes, path,
                  time.perf_counter() - start)
@@ -158,22 +218,32 @@ def _bad(path: str, problem: str) -> OffloadError:
     return OffloadError(f"cannot load {path}: {problem}")
 
 
-def _read_header(path: str, size: int) -> tuple[dict[str, Any], int]:
-    """The safetensors header and where the data starts, after checking the file is as long as it says."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _bad(path, f"the file has {size} bytes, too short for a safetensors header (truncated or empty)")
-        n = int.from_bytes(prefix, "little")
-        if n > _MAX_HEADER_BYTES:
-            raise _bad(path, f"not a safetensors file (its first 8 bytes give a header of {n} bytes)")
-        if 8 + n > size:
-            raise _bad(path, f"truncated, or not a safetensors file: the header needs {n} bytes, the file has "
-                       f"{size - 8} after the length")
-        raw = f.read(n)
+def _json(text: Any) -> Any:
+    """json.loads, with the failures of hostile input (nesting that exhausts the stack, integers of
+    thousands of digits) turned into ValueError like any other bad JSON."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _read_header(f: Any, path: str, size: int) -> tuple[dict[str, Any], int]:
+    """The safetensors header and where the data starts, after checking the file is as long as it says."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _bad(path, f"the file has {size} bytes, too short for a safetensors header (truncated or empty)")
+    n = int.from_bytes(prefix, "little")
+    if n > _MAX_HEADER_BYTES:
+        raise _bad(path, f"not a safetensors file (its first 8 bytes give a header of {n} bytes)")
+    if 8 + n > size:
+        raise _bad(path, f"truncated, or not a safetensors file: the header needs {n} bytes, the file has "
+                   f"{size - 8} after the length")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise _bad(path, f"truncated while being read: the header needs {n} bytes, {len(raw)} were read")
+    try:
+        header = _json(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(path, f"corrupt header, or not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise _bad(path, f"corrupt header: a JSON {type(header).__name__}, not an object")
@@ -188,8 +258,15 @@ def _parse_dtype(name: Any) -> torch.dtype:
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    # Everything here becomes a torch size, stride or offset (int64) or a byte count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value > _INT64_MAX:
+        raise ValueError(f"{what} must be an integer from {minimum} to 2**63-1, got {value!r}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} is not a list")
     return value
 
 
@@ -197,14 +274,16 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
     """Layout and checksums from the metadata's JSON; host offsets laid out afresh as bind() does."""
     if not isinstance(text, str):
         raise ValueError("no layout")
-    doc = json.loads(text)
+    doc = _json(text)
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
     if doc.get("checksum_algorithm") != CHECKSUM_ALGORITHM:
         raise ValueError(f"checksum algorithm {doc.get('checksum_algorithm')!r}, this version knows "
                          f"{CHECKSUM_ALGORITHM!r}")
     storages: list[StorageSpec] = []
     checksums: list[int] = []
     host = 0
-    for i, s in enumerate(doc["storages"]):
+    for i, s in enumerate(_list(doc["storages"], "storages")):
         nbytes = _int(s["nbytes"], f"storage {i} nbytes")
         device = torch.device(s["device"])
         if device.type not in ("cpu", "cuda"):
@@ -220,7 +299,7 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
         checksums.append(int(checksum, 16))
     tensors: list[TensorSpec] = []
     names: set[str] = set()
-    for t in doc["tensors"]:
+    for t in _list(doc["tensors"], "tensors"):
         name = t["name"]
         if not isinstance(name, str) or name in names:
             raise ValueError(f"tensor name {name!r} is not a string or appears twice")
@@ -228,12 +307,18 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
         index = _int(t["storage"], f"{name}: storage")
         if index >= len(storages):
             raise ValueError(f"{name}: storage {index} does not exist ({len(storages)} storages)")
-        shape = tuple(_int(d, f"{name}: shape") for d in t["shape"])
-        stride = tuple(_int(d, f"{name}: stride") for d in t["stride"])
+        shape = tuple(_int(d, f"{name}: shape") for d in _list(t["shape"], f"{name}: shape"))
+        stride = tuple(_int(d, f"{name}: stride") for d in _list(t["stride"], f"{name}: stride"))
         if len(shape) != len(stride):
             raise ValueError(f"{name}: shape {shape} and stride {stride} differ in length")
         offset = _int(t["offset"], f"{name}: offset")
         dtype = _parse_dtype(t["dtype"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * dtype.itemsize > _INT64_MAX:  # torch's numel and nbytes are int64 (a stride-0 view may be huge)
+            raise ValueError(f"{name}: shape {shape} of {dtype} spans {numel * dtype.itemsize} bytes, more than a "
+                             "tensor can describe (2**63-1)")
         # The view must lie inside its storage, or Snapshot.tensors() would read past it.
         if all(shape):
             extent = (offset + sum((d - 1) * st for d, st in zip(shape, stride)) + 1) * dtype.itemsize
@@ -244,12 +329,16 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
     if shard_info is not None:
         if not isinstance(shard_info, str):
             raise ValueError("shard_info is not a string")
-        json.loads(shard_info)  # must parse: restore compares it field by field
+        _json(shard_info)  # must parse: restore compares it field by field
     return Layout(tuple(tensors), tuple(storages), host, shard_info), checksums
 
 
-def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int, data_start: int) -> None:
-    """Every storage present once, as a uint8 vector of its size, the data section exactly filling the file."""
+def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int, data_start: int) -> list[int]:
+    """Every storage present once, as a uint8 vector of its size, the storages back to back without gaps or
+    overlaps, the data section exactly filling the file. Returns each storage's place in the file.
+
+    Checked before any memory is taken: a small crafted file cannot make load reserve more than it holds.
+    """
     expected = {_KEY.format(i) for i in range(len(layout.storages))}
     keys = set(header) - {"__metadata__"}
     missing = sorted(expected - keys, key=lambda k: int(k.split(".")[1]))
@@ -258,7 +347,7 @@ def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int,
         raise _bad(path, "tensors do not match the layout: "
                    + "; ".join(p for p in (f"missing {', '.join(missing[:5])}" if missing else "",
                                            f"unexpected {', '.join(map(repr, extra[:5]))}" if extra else "") if p))
-    data_end = 0
+    starts: list[int] = []
     for i, spec in enumerate(layout.storages):
         key = _KEY.format(i)
         entry = header[key]
@@ -266,15 +355,48 @@ def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int,
             raise _bad(path, f"{key}: corrupt header entry")
         offsets = entry.get("data_offsets")
         if (entry.get("dtype") != "U8" or entry.get("shape") != [spec.nbytes] or not isinstance(offsets, list)
-                or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
                 or offsets[1] - offsets[0] != spec.nbytes or offsets[0] < 0):
             raise _bad(path, f"{key} ({spec.name}): the file holds {entry.get('dtype')} {entry.get('shape')} at "
                        f"{offsets}, the layout says {spec.nbytes} bytes (U8)")
-        data_end = max(data_end, offsets[1])
-    if data_start + data_end > size:
-        raise _bad(path, f"truncated: the file has {size} bytes, its header describes {data_start + data_end}")
-    if data_start + data_end < size:
-        raise _bad(path, f"{size - data_start - data_end} unexpected bytes after the data (corrupt or appended to)")
+        starts.append(offsets[0])
+    end = 0
+    for i in sorted(range(len(starts)), key=lambda i: (starts[i], layout.storages[i].nbytes)):
+        if starts[i] != end:
+            what = "overlaps the one before it" if starts[i] < end else f"leaves a gap of {starts[i] - end} bytes"
+            raise _bad(path, f"corrupt header: {_KEY.format(i)} at {starts[i]} {what} in the data section "
+                       "(each storage must have bytes of its own)")
+        end += layout.storages[i].nbytes
+    if data_start + end > size:
+        raise _bad(path, f"truncated: the file has {size} bytes, its header describes {data_start + end}")
+    if data_start + end < size:
+        raise _bad(path, f"{size - data_start - end} unexpected bytes after the data (corrupt or appended to)")
+    return starts
+
+
+def _check_format(path: str, meta: Any) -> int:
+    """The format and its version; for version 2, that the layout is the one written (its SHA-256)."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _bad(path, f"not a gpu_offload snapshot: its metadata has no \"format\": \"{FORMAT}\" "
+                   "(a safetensors file written by something else?)")
+    text = meta.get("format_version")
+    if text is None:
+        raise _bad(path, "corrupt metadata: it has no format_version")
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,9}", text):
+        raise _bad(path, f"format_version {text!r} is not a number")
+    version = int(text)
+    if version not in _READABLE_VERSIONS:
+        newer = " (written by a newer gpu_offload; upgrade)" if version > FORMAT_VERSION else ""
+        raise _bad(path, f"format version {version}, this gpu_offload ({__version__}) reads "
+                   f"{', '.join(map(str, _READABLE_VERSIONS))}{newer}")
+    if version >= 2:
+        layout, digest = meta.get("layout"), meta.get("layout_sha256")
+        if not isinstance(layout, str) or not isinstance(digest, str):
+            raise _bad(path, "corrupt metadata: the layout or its checksum (layout_sha256) is missing")
+        if hashlib.sha256(layout.encode("utf-8")).hexdigest() != digest:
+            raise _bad(path, "corrupt layout: it does not match its checksum (layout_sha256); the offsets, "
+                       "shapes or storages it describes cannot be trusted")
+    return version
 
 
 def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
@@ -282,65 +404,69 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
     `restore`.
 
     Everything is checked before the snapshot is returned: the safetensors header, the format and its
-    version, that the tensors are exactly the layout's storages with their sizes, that the file is neither
-    truncated nor extended, and every storage's checksum. Its `checksums` are those of the file.
+    version, the layout against its checksum, that the tensors are exactly the layout's storages with their
+    sizes, back to back, that the file is neither truncated nor extended, and every storage's checksum (the
+    header is checked before any arena memory is taken). Header and data are read through one open file, so
+    a save replacing the file meanwhile does not mix two versions. Its `checksums` are those of the file.
 
     Raises:
         FileNotFoundError: there is no file at `path`.
         OffloadError: the file is truncated, corrupt, of a newer format, or not a gpu_offload snapshot
-            (the message says which), or the arena cannot hold it. The arena is unchanged then.
+            (the message says which), or the arena cannot hold it. The arena is unchanged then (a slab
+            pinned for it is given back).
     """
-    _need_safetensors()
     start = time.perf_counter()
     path = os.fspath(path)
-    size = os.stat(path).st_size  # FileNotFoundError as is
-    header, data_start = _read_header(path, size)
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise _bad(path, f"not a gpu_offload snapshot: its metadata has no \"format\": \"{FORMAT}\" "
-                   "(a safetensors file written by something else?)")
-    try:
-        version = int(meta.get("format_version", ""))
-    except ValueError:
-        raise _bad(path, f"format_version {meta.get('format_version')!r} is not a number") from None
-    if version != FORMAT_VERSION:
-        newer = " (written by a newer gpu_offload; upgrade)" if version > FORMAT_VERSION else ""
-        raise _bad(path, f"format version {version}, this gpu_offload ({__version__}) reads {FORMAT_VERSION}{newer}")
-    try:
-        layout, checksums = _parse_layout(meta.get("layout"))
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-        raise _bad(path, f"corrupt layout in the metadata ({type(exc).__name__}: {exc})") from None
-    _check_entries(path, header, layout, size, data_start)
+    # O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore the flag).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # FileNotFoundError as is
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _bad(path, "not a regular file (a FIFO, a device or a directory?)")
+    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
+        size = st.st_size
+        header, data_start = _read_header(f, path, size)
+        meta = header.get("__metadata__")
+        _check_format(path, meta)
+        try:
+            layout, checksums = _parse_layout(meta.get("layout"))
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            raise _bad(path, f"corrupt layout in the metadata ({type(exc).__name__}: {exc})") from None
+        starts = _check_entries(path, header, layout, size, data_start)
 
-    arena = arena if arena is not None else default_arena()
-    region = arena._allocate(layout.host_bytes)
-    try:
-        _read_into(path, layout, region)
-        _integrity.check(layout, checksums, _integrity.host_checksums(layout, region.ptr),
-                         f"cannot load {path}: data corrupt")
-    except BaseException:
-        region.release()
-        raise
+        arena = arena if arena is not None else default_arena()
+        capacity = arena.capacity_bytes
+        region = arena._allocate(layout.host_bytes)
+        try:
+            _read_into(f, path, layout, region, [data_start + s for s in starts])
+            _integrity.check(layout, checksums, _integrity.host_checksums(layout, region.ptr),
+                             f"cannot load {path}: data corrupt")
+        except BaseException:
+            region.release()
+            if arena.capacity_bytes > capacity:
+                with contextlib.suppress(Exception):  # the load's own error is the one to report
+                    arena.trim()  # the slab pinned for this file is not kept for a file that was refused
+            raise
     logger.debug("loaded %d storages, %d bytes from %s in %.3f s", len(layout.storages), layout.nbytes, path,
                  time.perf_counter() - start)
     return Snapshot(layout, region, [], _integrity.Checksums(list(checksums)))
 
 
-def _read_into(path: str, layout: Layout, region: Any) -> None:
-    """Copies every storage's bytes from the file into the region, through the safetensors reader."""
-    from safetensors import safe_open
-
-    view = region.buffer(owner=region)
+def _read_into(f: Any, path: str, layout: Layout, region: Any, places: list[int]) -> None:
+    """Copies every storage's bytes from the open file into the region, in file order."""
+    view = memoryview(region.buffer(owner=region)).cast("B")
     try:
-        with safe_open(path, framework="pt") as f:
-            for i, spec in enumerate(layout.storages):
-                if spec.nbytes == 0:
-                    continue
-                src = f.get_tensor(_KEY.format(i))
-                dst = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.host_offset)
-                dst.copy_(src)
-                del src, dst
-    except OSError:
-        raise
-    except Exception as exc:  # the reader's own error type (SafetensorError)
-        raise _bad(path, f"the safetensors reader refused it: {exc}") from exc
+        for i in sorted(range(len(places)), key=places.__getitem__):
+            spec = layout.storages[i]
+            if spec.nbytes == 0:
+                continue
+            if f.tell() != places[i]:
+                f.seek(places[i])
+            dst = view[spec.host_offset:spec.host_offset + spec.nbytes]
+            while len(dst):
+                n = f.readinto(dst[:_IO_CHUNK])
+                if not n:
+                    raise _bad(path, f"truncated while being read: {_KEY.format(i)} ({spec.name}) ends early")
+                dst = dst[n:]
+    finally:
+        view.release()

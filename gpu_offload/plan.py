@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import os
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -24,6 +24,7 @@ import torch
 
 from ._errors import OffloadError
 from ._ext import _C
+from .arena import _env_int
 from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
@@ -168,11 +169,7 @@ def gather_max_bytes() -> int:
     """Storages up to this size go through the gather/scatter kernel instead of the copy engines (CUDA,
     pinned arena only). GPU_OFFLOAD_GATHER_MAX_BYTES; 0 (the default until it is tuned on a GPU) keeps
     every copy on the copy engines."""
-    value = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES", "0")
-    try:
-        return max(0, int(float(value)))
-    except ValueError:
-        raise OffloadError(f"GPU_OFFLOAD_GATHER_MAX_BYTES={value!r} is not a number of bytes") from None
+    return max(0, _env_int("GPU_OFFLOAD_GATHER_MAX_BYTES") or 0)
 
 
 class TargetPlan:
@@ -198,6 +195,7 @@ class TargetPlan:
         self.keys = bound.keys
         self.storage_nbytes = [s.nbytes() for s in bound.storages]
         self.storage_ptrs = [s.data_ptr() for s in bound.storages]
+        self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
         for i, spec in enumerate(bound.layout.tensors):
@@ -210,6 +208,21 @@ class TargetPlan:
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._lock = threading.Lock()
+
+    def same_views(self, plain: list[torch.Tensor]) -> bool:
+        """Whether every tensor still views its storage as the layout says (shape, stride, dtype).
+
+        t_(), `.data = .view(dtype)` or `.data = .data[:5]` keep the tensor, its address and its storage but
+        not its view. (The offset needs no check of its own: with the same storage at the same address, the
+        same data_ptr and the same dtype it cannot differ.)
+        """
+        views = self._views
+        if views is None:
+            if not _views_match(self.layout, plain):
+                return False
+            self._views = views = _ViewCheck(plain)
+            return True
+        return views.check(plain) or _views_match(self.layout, plain)
 
     def copies(self, host_offsets: Optional[list[int]] = None) -> CopyPlans:
         """Plans for the layout's own host offsets, or for other offsets (restoring another layout's
@@ -264,6 +277,77 @@ def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if type(t) in PLAIN_TENSOR_TYPES else unwrap(t) for t in tensors]
 
 
+_shape_of = operator.attrgetter("shape")  # the attribute is cheaper than the size() call
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _views_match(layout: Layout, plain: list[torch.Tensor]) -> bool:
+    """Shapes, dtypes and strides of the tensors against the layout's (about 0.35 us per tensor)."""
+    specs = layout.tensors
+    return (list(map(_shape_of, plain)) == [t.shape for t in specs]
+            and list(map(_dtype_of, plain)) == [t.dtype for t in specs]
+            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs])
+
+
+try:  # torch.compile's guard on tensors: the same check in C++, about 3 times faster
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except Exception:  # pragma: no cover - another torch
+    _TensorGuards = None
+
+
+def _make_guards(plain: list[torch.Tensor]) -> Any:
+    return _TensorGuards(*plain, tensor_check_names=[str(i) for i in range(len(plain))],
+                         dynamic_dims_sizes=[list(t.shape) for t in plain],
+                         dynamic_dims_strides=[list(t.stride()) for t in plain])
+
+
+def _guards_self_test() -> bool:
+    """Whether this torch's TensorGuards (a private API) takes these arguments and sees the changes that
+    matter here; run once, at import (outside any mode a caller may be in). Otherwise the plain check
+    above is used alone."""
+    if _TensorGuards is None:
+        return False
+    try:
+        a, b = torch.zeros(2, 3), torch.zeros(6)
+        guards = _make_guards([a, b])
+        ok = bool(guards.check(a, b))
+        a.t_()
+        ok = ok and not guards.check(a, b)
+        a.t_()
+        b.data = b.data.view(torch.int32)
+        ok = ok and not guards.check(a, b)
+        b.data = b.data.view(torch.float32)[:5]
+        return ok and not guards.check(a, b)
+    except Exception:
+        return False
+
+
+_guards_ok = _guards_self_test()
+
+
+class _ViewCheck:
+    """The views of a plan's tensors as they were at its first hit. check() may answer False where nothing
+    changed (the guard also sees requires_grad and the thread's dispatch state); the caller then falls back
+    to _views_match. It never answers True after a change of shape, stride or dtype."""
+
+    __slots__ = ("_guards",)
+
+    def __init__(self, plain: list[torch.Tensor]) -> None:
+        self._guards = None
+        if plain and _guards_ok:
+            try:
+                self._guards = _make_guards(plain)
+            except Exception:
+                self._guards = None
+
+    def check(self, plain: list[torch.Tensor]) -> bool:
+        if self._guards is None:
+            return False
+        try:
+            return bool(self._guards.check(*plain))
+        except Exception:
+            return False
+
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
 _cache_lock = threading.Lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
@@ -302,9 +386,10 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
             plan = _cache.get(key)
             if plan is not None:
                 _cache.move_to_end(key)
-        if plan is not None and plan.ptrs == ptrs and plan.names == names:
-            # Same tensors at the same addresses; the storages must be the same ones with the same sizes
-            # too (memory freed and re-allocated at the same address with another size is not the same).
+        if plan is not None and plan.ptrs == ptrs and plan.names == names and plan.same_views(plain):
+            # Same tensors at the same addresses viewing them the same way; the storages must be the same
+            # ones with the same sizes too (memory freed and re-allocated at the same address with another
+            # size is not the same).
             storages = _first_storages(plan, plain)
             if ([s._cdata for s in storages] == plan.keys
                     and list(map(torch.UntypedStorage.nbytes, storages)) == plan.storage_nbytes):

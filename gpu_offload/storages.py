@@ -101,6 +101,8 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
         raise OffloadError(f"{name}: meta tensors have no data to copy")
     if t.layout != torch.strided:
         raise OffloadError(f"{name}: {t.layout} tensors are not supported (only strided); densify it first")
+    if t.is_nested:  # strided-layout nested tensors have no sizes or strides of their own
+        raise OffloadError(f"{name}: nested tensors are not supported; unbind it into its components first")
     if t.device.type not in _SUPPORTED_DEVICE_TYPES:
         raise OffloadError(f"{name}: device {t.device} is not supported (cpu or cuda)")
     if t.is_quantized:

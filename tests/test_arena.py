@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 import gpu_offload as go
@@ -89,4 +92,43 @@ def test_default_arena_is_shared():
     assert go.default_arena() is go.default_arena()
     snap = go.snapshot({"a": torch.ones(4)})
     assert snap.arena is go.default_arena()
+    snap.free()
+
+
+def test_an_empty_arena_takes_any_request_under_its_cap():
+    arena = go.Arena(max_bytes=8 * _MIB, min_slab_bytes=2 * _MIB)
+    snaps = [go.snapshot({"t": torch.zeros(2 * _MIB, dtype=torch.uint8)}, arena=arena) for _ in range(4)]
+    for s in snaps:
+        s.free()
+    assert arena.stats()["num_slabs"] == 4 and arena.used_bytes == 0  # four empty slabs fill the cap
+    whole = go.snapshot({"t": torch.ones(8 * _MIB, dtype=torch.uint8)}, arena=arena)
+    assert bool((whole.tensors()["t"] == 1).all()) and arena.capacity_bytes <= 8 * _MIB
+    whole.free()
+    try:
+        go.snapshot({"t": torch.zeros(9 * _MIB, dtype=torch.uint8)}, arena=arena)
+        raise AssertionError("expected the cap to refuse")
+    except go.OffloadError as exc:
+        assert "larger than max_bytes" in str(exc) and "largest free block" not in str(exc)
+
+
+@pytest.mark.cuda
+def test_pinned_slabs_are_not_inherited_by_a_forked_child():
+    # A DataLoader worker forks: it must not share the pinned pages copy-on-write (MADV_DONTFORK).
+    arena = go.Arena(min_slab_bytes=2 * _MIB, pin="register")
+    snap = go.snapshot({"t": torch.ones(_MIB, dtype=torch.uint8, device="cuda")}, arena=arena)
+    snap.wait()
+    ptr = snap._live().ptr
+    pid = os.fork()
+    if pid == 0:  # the child: only look at its own mappings, then leave at once
+        code = 3
+        try:
+            with open("/proc/self/maps") as f:
+                mapped = any(int(lo, 16) <= ptr < int(hi, 16)
+                             for lo, hi in (line.split()[0].split("-") for line in f))
+            code = 1 if mapped else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "the pinned slab is mapped in the forked child"
+    assert bool((snap.tensors()["t"] == 1).all())
     snap.free()

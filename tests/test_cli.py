@@ -221,6 +221,7 @@ BAD_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "info bad pin mode": (("info",), {"GPU_OFFLOAD_PIN": "bogus"}, "pin must be one of auto, none, hostalloc"),
     "info zero cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "0"}, "max_bytes must be a positive int"),
     "info bad slab size": (("info",), {"GPU_OFFLOAD_MIN_SLAB_BYTES": "lots"}, "not a number of bytes"),
+    "info infinite cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "inf"}, "not a finite number of bytes"),
 }
 
 

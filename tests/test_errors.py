@@ -190,3 +190,26 @@ def test_memory_released_outside_gpu_offload_is_refused(arena):
         go.snapshot({"w": w}, arena=arena)
     w.untyped_storage().resize_(64)
     go.snapshot({"w": w}, arena=arena).free()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_strided_nested_tensor_is_refused_by_name(arena):
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.strided)
+    for op in (go.snapshot, go.offload):
+        with pytest.raises(go.OffloadError, match="nt: nested tensors are not supported"):
+            op({"ok": torch.ones(2), "nt": nested}, arena=arena)
+    assert arena.used_bytes == 0
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400", str(1 << 64)])
+@pytest.mark.parametrize("name", ["GPU_OFFLOAD_ARENA_MAX_BYTES", "GPU_OFFLOAD_GATHER_MAX_BYTES"])
+def test_byte_counts_in_the_environment_that_are_not_finite_are_clear_errors(monkeypatch, name, value):
+    from gpu_offload import arena as arena_module
+    from gpu_offload import plan
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(arena_module, "_default_arena", None)  # read the environment afresh
+    plan.clear_cache()
+    with pytest.raises(go.OffloadError, match=f"{name}={value!r} is not a"):
+        go.snapshot({"a": torch.ones(3)})
+    plan.clear_cache()

@@ -3,9 +3,11 @@ errors for truncated, corrupt, foreign and missing files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, random_tensor
+from conftest import assert_bitwise_equal, bits, random_tensor
 from gpu_offload import persist
 
 
@@ -43,8 +45,11 @@ def saved(tmp_path: Path, arena: go.Arena) -> tuple[Path, dict[str, torch.Tensor
     return path, state
 
 
-def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None) -> None:
-    """Writes a safetensors file with the same tensors/metadata as src, except what is given."""
+def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None, rehash: bool = True) -> None:
+    """Writes a safetensors file with the same tensors/metadata as src, except what is given. An edited
+    layout gets a matching layout_sha256 (a crafted file, not a damaged one) unless rehash is False."""
+    import hashlib
+
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -53,6 +58,8 @@ def _rewrite(src: Path, dst: Path, *, metadata=None, tensors=None) -> None:
         data = {k: f.get_tensor(k) for k in f.keys()}
     if metadata is not None:
         meta = metadata(meta)
+        if rehash and isinstance(meta.get("layout"), str) and "layout_sha256" in meta:
+            meta["layout_sha256"] = hashlib.sha256(meta["layout"].encode()).hexdigest()
     if tensors is not None:
         data = tensors(data)
     save_file(data, str(dst), metadata=meta)
@@ -109,7 +116,8 @@ def test_the_file_is_plain_safetensors(saved):
     tensors = load_file(str(path))
     assert sorted(tensors) == [f"storage.{i}" for i in range(len(tensors))]
     meta = _metadata(path)
-    assert meta["format"] == "gpu_offload.snapshot" and meta["format_version"] == "1"
+    assert meta["format"] == "gpu_offload.snapshot" and meta["format_version"] == "2"
+    assert meta["layout_sha256"] == hashlib.sha256(meta["layout"].encode()).hexdigest()
     assert meta["package_version"] == go.__version__
     layout = json.loads(meta["layout"])
     assert [t["name"] for t in layout["tensors"]] == list(state)
@@ -158,16 +166,37 @@ def test_a_corrupt_host_copy_is_not_saved(tmp_path, arena):
         go.save(snap, path)
 
 
-def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, arena):
+def _age(path: Path, seconds: float = 3600) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, arena):
+    import fcntl
+
     path = tmp_path / "x.snap"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"x.snap.tmp-{dead.pid}-0"
     stale.write_bytes(b"partial")
-    alive = tmp_path / f"x.snap.tmp-{os.getppid()}-0"  # a live process (pytest's parent): left alone
-    alive.write_bytes(b"partial")
-    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
-    assert not stale.exists() and alive.exists()
+    _age(stale)
+    # A writer in another PID namespace (a container sharing the filesystem): its PID means nothing here,
+    # may even be that of a dead process here, but it holds the lock on its temporary.
+    foreign = tmp_path / f"x.snap.tmp-{dead.pid}-1-0badf00d"
+    foreign.write_bytes(b"partial")
+    _age(foreign)
+    held = os.open(foreign, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    # Just created, not locked yet (a writer between its open and its flock): too young to judge.
+    young = tmp_path / f"x.snap.tmp-{dead.pid}-2"
+    young.write_bytes(b"partial")
+    try:
+        go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
+        assert not stale.exists() and foreign.exists() and young.exists()
+    finally:
+        os.close(held)
+    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)  # its writer is gone now
+    assert not foreign.exists() and young.exists()
 
 
 _KILL_CHILD = textwrap.dedent("""
@@ -193,22 +222,28 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_file_loadable(tmp_p
         child = subprocess.Popen([sys.executable, "-c", _KILL_CHILD, str(path)], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "saved"
-            # Wait until a save is under way (its temporary exists), then kill at once.
+            # Wait until a save is under way (a temporary of any name exists), then kill at once.
             deadline = time.monotonic() + 30
-            while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+            while os.listdir(tmp_path) == ["w.snap"] and time.monotonic() < deadline:
                 time.sleep(0.001)
             os.kill(child.pid, signal.SIGKILL)
         finally:
             child.kill()
             child.wait()
-        temporaries = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+        temporaries = [n for n in os.listdir(tmp_path) if n != "w.snap"]
         hits += bool(temporaries)
+        # Only temporaries that the next save recognises (no writer library's own temporary file).
+        assert all(n.startswith("w.snap.tmp-") for n in temporaries), temporaries
         loaded = go.load(path, arena=arena)  # complete and checked, whichever version it is
         w = loaded.tensors()["w"]
         assert w.numel() == 16 << 20 and bool((w == w[0]).all())
         loaded.free()
         for n in temporaries:
-            os.unlink(tmp_path / n)
+            _age(tmp_path / n)
+        again = go.load(path, arena=arena)
+        go.save(again, path)  # sweeps them: their writer is gone
+        again.free()
+        assert os.listdir(tmp_path) == ["w.snap"]
         if hits >= 2:
             break
     assert hits >= 1, "the kill never landed in the middle of a save"
@@ -341,8 +376,8 @@ def test_foreign_files_are_refused(tmp_path, arena):
 def test_a_newer_format_version_is_refused(saved, tmp_path, arena):
     path, _ = saved
     bad = tmp_path / "bad.snap"
-    _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "2"})
-    _assert_refused(bad, arena, "format version 2.*newer gpu_offload")
+    _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "3"})
+    _assert_refused(bad, arena, "format version 3.*newer gpu_offload")
     _rewrite(path, bad, metadata=lambda m: {**m, "format_version": "one"})
     _assert_refused(bad, arena, "format_version 'one' is not a number")
 
@@ -353,3 +388,251 @@ def test_load_into_an_arena_too_small_changes_nothing(saved):
     with pytest.raises(go.OffloadError, match="arena cap exceeded"):
         go.load(path, arena=small)
     assert small.used_bytes == 0
+
+
+# -- the layout is checksummed; crafted and hostile headers ------------------------------------------------
+def _header_span(raw: bytes) -> tuple[int, int]:
+    return 8, 8 + int.from_bytes(raw[:8], "little")
+
+
+def test_every_single_bit_flip_in_the_header_is_refused_or_harmless(tmp_path, arena):
+    state = {"w": random_tensor((4, 3), torch.float32, torch.device("cpu"), seed=1),
+             "v": random_tensor((6,), torch.int16, torch.device("cpu"), seed=2)}
+    state["t"] = state["w"][1:].t()
+    path = tmp_path / "x.snap"
+    with go.snapshot(state, arena=arena) as snap:
+        go.save(snap, path)
+    raw = path.read_bytes()
+    good = go.load(path, arena=arena)
+    expected = {k: (v.shape, v.stride(), v.dtype, v.clone()) for k, v in good.tensors().items()}
+    good.free()
+    begin, end = _header_span(raw)
+    bad = tmp_path / "bad.snap"
+    accepted = []
+    for i in range(begin, end):
+        for bit in range(8):
+            flipped = bytearray(raw)
+            flipped[i] ^= 1 << bit
+            bad.write_bytes(bytes(flipped))
+            try:
+                loaded = go.load(bad, arena=arena)
+            except go.OffloadError:
+                continue
+            got = {k: (v.shape, v.stride(), v.dtype, v.clone()) for k, v in loaded.tensors().items()}
+            loaded.free()
+            same = got.keys() == expected.keys() and all(
+                got[k][:3] == expected[k][:3] and torch.equal(bits(got[k][3]), bits(expected[k][3]))
+                for k in got)
+            if not same:
+                accepted.append((i, bit, raw[i:i + 1]))
+    assert not accepted, f"{len(accepted)} header bit flips loaded other tensors: {accepted[:5]}"
+    assert arena.used_bytes == 0
+
+
+def _crafted(path: Path, storages: list[dict], entries: list[list[int]], data: bytes, tensors=()) -> None:
+    import hashlib
+
+    layout = json.dumps({"checksum_algorithm": persist.CHECKSUM_ALGORITHM, "checksum_source": "host copy",
+                         "tensors": list(tensors), "storages": storages, "shard_info": None})
+    meta = {"format": persist.FORMAT, "format_version": "2", "package_version": go.__version__,
+            "layout": layout, "layout_sha256": hashlib.sha256(layout.encode()).hexdigest()}
+    header = {"__metadata__": meta}
+    for i, (s, e) in enumerate(zip(storages, entries)):
+        header[f"storage.{i}"] = {"dtype": "U8", "shape": [s["nbytes"]], "data_offsets": e}
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_overlapping_storages_are_refused_before_any_memory_is_taken(tmp_path):
+    from gpu_offload import integrity
+
+    n = 1 << 20
+    data = bytes(range(256)) * (n // 256)
+    arena = go.Arena(min_slab_bytes=1 << 20)
+    probe = go.snapshot({"x": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, arena=arena)
+    checksum = integrity.host_checksums(probe.layout, probe._live().ptr)[0]
+    probe.free()
+    arena.trim()
+    # 64 storages of 1 MiB declared, all at the same 1 MiB of the file: each would check out.
+    storages = [{"name": f"s{i}", "nbytes": n, "device": "cpu", "checksum": f"{checksum:016x}"} for i in range(64)]
+    bad = tmp_path / "bad.snap"
+    _crafted(bad, storages, [[0, n]] * 64, data)
+    with pytest.raises(go.OffloadError, match="overlaps"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0  # nothing was pinned for it
+    _crafted(bad, storages[:2], [[0, n], [n + 8, 2 * n + 8]], data + b"\0" * 8 + data)
+    with pytest.raises(go.OffloadError, match="gap of 8 bytes"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0
+
+
+def test_a_refused_load_does_not_keep_the_slab_it_pinned(saved, tmp_path):
+    path, _ = saved
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(bytes(raw))
+    arena = go.Arena(min_slab_bytes=1 << 20)
+    with pytest.raises(go.OffloadError, match="data corrupt"):
+        go.load(bad, arena=arena)
+    assert arena.capacity_bytes == 0 and arena.used_bytes == 0
+
+
+@pytest.mark.parametrize("version", [["1"], None, 1, "1.0", "١"], ids=["list", "null", "int", "float", "arabic-digit"])
+def test_a_format_version_of_the_wrong_type_is_refused(saved, tmp_path, arena, version):
+    path, _ = saved
+    raw = path.read_bytes()
+    begin, end = _header_span(raw)
+    header = json.loads(raw[begin:end])
+    header["__metadata__"]["format_version"] = version
+    text = json.dumps(header).encode()
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
+    _assert_refused(bad, arena, "format_version")
+
+
+@pytest.mark.parametrize("what", ["nested-header", "long-int-header", "nested-layout", "long-int-layout"])
+def test_hostile_json_is_refused_with_an_offload_error(saved, tmp_path, arena, what):
+    path, _ = saved
+    raw = path.read_bytes()
+    begin, end = _header_span(raw)
+    bad = tmp_path / "bad.snap"
+    if what.endswith("header"):
+        junk = b"[" * 200_000 + b"]" * 200_000 if what == "nested-header" else b"1" + b"0" * 5000
+        text = b'{"x":' + junk + b"," + raw[begin + 1:end]
+        bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
+        _assert_refused(bad, arena, "not JSON")
+        return
+
+    def edit(meta):
+        junk = "[" * 200_000 + "]" * 200_000 if what == "nested-layout" else "1" + "0" * 5000
+        meta["layout"] = '{"x":' + junk + "," + meta["layout"][1:]
+        return meta
+
+    _rewrite(path, bad, metadata=edit)
+    _assert_refused(bad, arena, "corrupt layout")
+
+
+@pytest.mark.parametrize("shape, stride", [([2 ** 70], [0]), ([2 ** 62], [0]), ([2 ** 31, 2 ** 31], [0, 0]),
+                                           ([1], [2 ** 64])], ids=["2**70", "2**62-bf16", "product", "stride"])
+def test_a_shape_too_large_for_a_tensor_is_refused(saved, tmp_path, arena, shape, stride):
+    path, _ = saved  # tensor 0 ("w") is bfloat16: 2**62 elements are 2**63 bytes
+
+    def edit(meta):
+        layout = json.loads(meta["layout"])
+        layout["tensors"][0].update(shape=shape, stride=stride, offset=0)
+        meta["layout"] = json.dumps(layout)
+        return meta
+
+    bad = tmp_path / "bad.snap"
+    _rewrite(path, bad, metadata=edit)
+    _assert_refused(bad, arena, r"corrupt layout.*w: (shape|stride)")
+
+
+def test_a_load_beside_saves_of_the_same_path_sees_one_whole_version(tmp_path, arena):
+    import threading
+
+    path = tmp_path / "x.snap"
+    versions = [{"a": torch.full((20_000,), float(v)), "b": torch.full((7,), -float(v))} for v in range(2)]
+    snaps = [go.snapshot(s, arena=arena) for s in versions]
+    go.save(snaps[0], path)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def saver() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                go.save(snaps[i % 2], path)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    try:
+        for _ in range(300):
+            loaded = go.load(path, arena=arena)
+            a, b = loaded.tensors()["a"], loaded.tensors()["b"]
+            assert bool((a == a[0]).all()) and bool((b == -a[0]).all())
+            loaded.free()
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    for s in snaps:
+        s.free()
+
+
+# -- what save refuses to replace, and how it fails ----------------------------------------------------------
+def test_save_never_replaces_a_fifo_a_device_or_a_directory(tmp_path, arena):
+    snap = go.snapshot({"a": torch.zeros(3)}, arena=arena)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(go.OffloadError, match="FIFO"):
+        go.save(snap, fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    link = tmp_path / "null"
+    link.symlink_to("/dev/null")
+    with pytest.raises(go.OffloadError, match="device"):
+        go.save(snap, link)
+    assert os.path.islink(link) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(go.OffloadError, match="directory"):
+        go.save(snap, tmp_path / "dir")
+    assert sorted(os.listdir(tmp_path)) == ["dir", "fifo", "null"]
+    snap.free()
+
+
+def test_a_missing_directory_is_an_os_error(tmp_path, arena):
+    with go.snapshot({"a": torch.zeros(3)}, arena=arena) as snap, pytest.raises(FileNotFoundError):
+        go.save(snap, tmp_path / "no" / "such" / "x.snap")
+
+
+def test_disk_full_is_an_os_error_and_leaves_the_previous_file(tmp_path, arena, monkeypatch):
+    import errno
+
+    path = tmp_path / "x.snap"
+    go.save(go.snapshot({"a": torch.zeros(100_000)}, arena=arena), path)
+    before = path.read_bytes()
+    real_write = os.write
+    written = [0]
+
+    def filling_write(fd, data):
+        if written[0] > 100_000:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        n = real_write(fd, data[:50_000])
+        written[0] += n
+        return n
+
+    monkeypatch.setattr(persist.os, "write", filling_write)
+    with go.snapshot({"a": torch.ones(100_000)}, arena=arena) as snap, pytest.raises(OSError) as info:
+        go.save(snap, path)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and not isinstance(info.value, go.OffloadError)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["x.snap"]
+
+
+def test_a_version_1_file_is_still_read(saved, tmp_path, arena):
+    path, state = saved
+
+    def to_v1(meta):
+        meta = {**meta, "format_version": "1"}
+        del meta["layout_sha256"]
+        return meta
+
+    old = tmp_path / "old.snap"
+    _rewrite(path, old, metadata=to_v1)
+    with go.load(old, arena=arena) as loaded:
+        assert torch.equal(loaded.tensors()["i64"], state["i64"])
+    # ... while a version 2 file without its layout checksum is refused.
+    _rewrite(path, old, metadata=lambda m: {k: v for k, v in m.items() if k != "layout_sha256"})
+    _assert_refused(old, arena, "layout_sha256")
+
+
+@pytest.mark.timeout(30)
+def test_load_of_a_fifo_or_a_directory_is_refused_without_waiting(tmp_path, arena):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _assert_refused(fifo, arena, "not a regular file")
+    _assert_refused(tmp_path, arena, "not a regular file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gpu_offload as go
@@ -61,3 +62,59 @@ def test_cache_holds_no_tensors_alive(arena):
     del t
     gc.collect()
     assert ref() is None
+
+
+def _view_changes():
+    # Each changes how a tensor views its storage while keeping the tensor, its address and its storage.
+    def transpose(m: dict) -> None:
+        m["w"].t_()
+
+    def reinterpret(m: dict) -> None:
+        m["buf"].data = m["buf"].data.view(torch.int32)
+
+    def narrow(m: dict) -> None:
+        m["p"].data = m["p"].data[:5]
+
+    return [("transpose", transpose, "w", "stride"), ("dtype", reinterpret, "buf", "dtype"),
+            ("narrow", narrow, "p", "shape")]
+
+
+@pytest.mark.parametrize("check", ["torch-guard", "plain"])
+@pytest.mark.parametrize("name,change,tensor,field", _view_changes(), ids=[c[0] for c in _view_changes()])
+def test_a_changed_view_of_the_same_storage_is_not_served_from_the_cache(arena, monkeypatch, name, change, tensor,
+                                                                         field, check):
+    if check == "plain":  # the check used where torch's TensorGuards is missing or behaves otherwise
+        monkeypatch.setattr(plan, "_guards_ok", False)
+    target = {"w": torch.randn(3, 4), "buf": torch.randn(6), "p": torch.nn.Parameter(torch.randn(10))}
+    go.snapshot(target, arena=arena).free()  # plan cached
+    go.snapshot(target, arena=arena).free()  # first hit: its view check made
+    hits = _hits()
+    old = go.snapshot(target, arena=arena)
+    assert _hits() == hits + 1
+    ptr = target[tensor].data_ptr()
+    change(target)
+    assert target[tensor].data_ptr() == ptr  # same tensor, same address, same storage
+
+    new = go.snapshot(target, arena=arena)
+    spec = {t.name: t for t in new.layout.tensors}[tensor]
+    live = target[tensor]
+    assert (spec.shape, spec.stride, spec.dtype) == (tuple(live.shape), live.stride(), live.dtype)
+    assert torch.equal(new.tensors()[tensor].contiguous().view(torch.uint8), live.detach().contiguous().view(torch.uint8))
+    with pytest.raises(go.LayoutMismatchError, match=f"{tensor}: {field}"):
+        go.restore(target, old)
+    go.restore(target, new)  # and the new layout's plan is cached and usable
+    old.free()
+    new.free()
+
+
+def test_a_guard_that_answers_false_falls_back_to_the_plain_check(arena):
+    # Guards also see the thread's dispatch state: a plan first hit under inference_mode and used outside it
+    # must stay a hit (not be rebuilt on every call).
+    target = {"w": torch.randn(3, 4)}
+    go.snapshot(target, arena=arena).free()
+    with torch.inference_mode():
+        go.snapshot(target, arena=arena).free()
+    hits = _hits()
+    for _ in range(3):
+        go.snapshot(target, arena=arena).free()
+    assert _hits() == hits + 3

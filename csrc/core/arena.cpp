@@ -14,6 +14,11 @@
 #include "thread_pool.hpp"
 
 namespace gpu_offload {
+
+namespace testing {
+void (*before_slab_release)(std::uintptr_t, std::size_t) = nullptr;
+}  // namespace testing
+
 namespace {
 
 constexpr std::size_t kHugePage = 2u << 20;
@@ -183,6 +188,12 @@ void HostArena::add_slab(std::size_t size) {
       slab.base = reinterpret_cast<std::uintptr_t>(map_and_touch(size));
       break;
   }
+#ifdef MADV_DONTFORK
+  // A forked child (a DataLoader worker) must not share pinned pages copy-on-write: the first write after
+  // the fork would move the parent's page away from the physical page the GPU reads and writes. Best
+  // effort: the child simply does not get the slab (it cannot use CUDA after a fork anyway).
+  if (slab.mode != PinMode::kNone) madvise(reinterpret_cast<void*>(slab.base), size, MADV_DONTFORK);
+#endif
   pin_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::uint64_t id = next_slab_id_++;
   slabs_.emplace(id, std::move(slab));
@@ -193,10 +204,11 @@ void HostArena::add_slab(std::size_t size) {
 
 void HostArena::release_slab(Slab& slab) {
   void* ptr = reinterpret_cast<void*>(slab.base);
+  if (testing::before_slab_release != nullptr) testing::before_slab_release(slab.base, slab.size);
   switch (slab.mode) {
     case PinMode::kHostAlloc: cuda::host_free(ptr); break;
     case PinMode::kRegister:
-      cuda::host_unregister(ptr);
+      cuda::host_unregister(ptr);  // throws on failure: the memory may still be registered, keep it mapped
       munmap(ptr, slab.size);
       break;
     default: munmap(ptr, slab.size); break;
@@ -217,6 +229,36 @@ bool HostArena::take_best_fit(std::size_t size, std::uintptr_t* out) {
   return true;
 }
 
+std::string HostArena::release_empty_slab(std::map<std::uint64_t, Slab>::iterator* it) {
+  Slab& slab = (*it)->second;
+  try {
+    release_slab(slab);
+  } catch (const std::exception& e) {
+    ++*it;
+    return e.what();
+  }
+  // Only once the memory is gone: a slab that could not be released stays whole and usable.
+  by_size_.erase(FreeKey{slab.size, (*it)->first, 0});
+  capacity_bytes_ -= slab.size;
+  *it = slabs_.erase(*it);
+  return {};
+}
+
+std::string HostArena::cap_message(std::size_t size) const {
+  std::string why;
+  if (size > max_bytes_) {
+    why = "the region alone is larger than max_bytes";
+  } else if (used_bytes_ == 0) {
+    why = "nothing is in use but empty slabs could not be given back";
+  } else {
+    const std::size_t largest = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
+    why = "free within the cap: " + human(max_bytes_ - used_bytes_) + ", split between slabs and around the "
+          "regions in use; largest free block " + human(largest) + " (a region cannot span slabs)";
+  }
+  return "arena cap exceeded: a region of " + human(size) + " does not fit; in use " + human(used_bytes_) +
+         ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) + " (" + why + ")";
+}
+
 std::uintptr_t HostArena::allocate(std::size_t num_bytes) {
   const std::size_t size = round_up(std::max<std::size_t>(num_bytes, 1), kAlignment);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -225,10 +267,22 @@ std::uintptr_t HostArena::allocate(std::size_t num_bytes) {
   // Grow by one slab: at least min_slab_bytes, rounded to huge pages, never past the cap.
   std::size_t slab_size = std::max(round_up(size, kHugePage), min_slab_bytes_);
   if (max_bytes_ != 0) {
-    GO_CHECK(capacity_bytes_ + size <= max_bytes_,
-             "arena cap exceeded: a region of " + human(size) + " does not fit; in use " + human(used_bytes_) +
-                 ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) +
-                 " (largest free block too small)");
+    if (capacity_bytes_ + size > max_bytes_ && size <= max_bytes_) {
+      // Empty slabs count against the cap, and a region cannot span slabs: give back as many empty slabs
+      // as it takes to make room for one slab that holds the region (only when that is enough).
+      std::size_t empty = 0;
+      for (const auto& [id, slab] : slabs_) empty += slab.used == 0 ? slab.size : 0;
+      if (capacity_bytes_ - empty + size <= max_bytes_) {
+        for (auto it = slabs_.begin(); it != slabs_.end() && capacity_bytes_ + size > max_bytes_;) {
+          if (it->second.used != 0) {
+            ++it;
+          } else {
+            release_empty_slab(&it);  // one that cannot be released is kept; the check below then says so
+          }
+        }
+      }
+    }
+    GO_CHECK(capacity_bytes_ + size <= max_bytes_, cap_message(size));
     slab_size = std::min(slab_size, max_bytes_ - capacity_bytes_);
   }
   add_slab(slab_size);
@@ -273,19 +327,19 @@ void HostArena::reserve(std::size_t num_bytes) {
 
 std::size_t HostArena::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::size_t released = 0;
+  const std::size_t before = capacity_bytes_;
+  std::string failure;
   for (auto it = slabs_.begin(); it != slabs_.end();) {
-    Slab& slab = it->second;
-    if (slab.used != 0) {
+    if (it->second.used != 0) {
       ++it;
       continue;
     }
-    by_size_.erase(FreeKey{slab.size, it->first, 0});
-    release_slab(slab);
-    capacity_bytes_ -= slab.size;
-    released += slab.size;
-    it = slabs_.erase(it);
+    std::string error = release_empty_slab(&it);
+    if (failure.empty()) failure = error;
   }
+  const std::size_t released = before - capacity_bytes_;
+  GO_CHECK(failure.empty(), "trim released " + human(released) + " but a slab could not be given back (it stays in "
+                                "the arena, usable): " + failure);
   return released;
 }
 

@@ -51,7 +51,9 @@ class HostArena {
   void free(std::uintptr_t ptr);
   // Makes sure a region of num_bytes can be handed out without creating a slab later.
   void reserve(std::size_t num_bytes);
-  // Releases slabs with nothing allocated in them; returns the bytes released.
+  // Releases slabs with nothing allocated in them; returns the bytes released. A slab the system refuses
+  // to take back (cudaHostUnregister or cudaFreeHost failing) stays in the arena, usable, and trim throws
+  // after releasing the others, saying so.
   std::size_t trim();
   // The region's size as handed out (after rounding); throws when ptr is not a live region.
   std::size_t region_bytes(std::uintptr_t ptr) const;
@@ -75,6 +77,10 @@ class HostArena {
   using FreeKey = std::tuple<std::size_t, std::uint64_t, std::size_t>;  // size, slab id, offset
 
   bool take_best_fit(std::size_t size, std::uintptr_t* out);
+  // Gives an empty slab back to the system and forgets it; on failure it is kept as it was and the error
+  // is returned (empty string on success).
+  std::string release_empty_slab(std::map<std::uint64_t, Slab>::iterator* it);
+  std::string cap_message(std::size_t size) const;
   void add_slab(std::size_t size);
   void release_slab(Slab& slab);
   void insert_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
@@ -94,6 +100,12 @@ class HostArena {
   std::size_t num_slab_allocations_ = 0;
   double pin_seconds_ = 0.0;
 };
+
+namespace testing {
+// Called before a slab's memory is given back to the system; a hook that throws stands for a failing
+// cudaHostUnregister or cudaFreeHost (C++ tests only; null otherwise).
+extern void (*before_slab_release)(std::uintptr_t base, std::size_t size);
+}  // namespace testing
 
 // Host memory that can still be taken, in bytes: MemAvailable from /proc/meminfo, or the memory cgroup's
 // headroom where that is lower (containers); 0 when unknown.

@@ -131,4 +131,89 @@ TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
   CHECK(gpu_offload::cgroup_headroom(root) == 8000 - 4000);
 }
 
+TEST_CASE(an_empty_arena_takes_any_request_under_its_cap) {
+  // Four slabs kept empty after use fill the cap; a region cannot span them, so they must go first.
+  HostArena arena(8 * kMiB, 2 * kMiB, PinMode::kNone);
+  std::vector<std::uintptr_t> ptrs;
+  for (int i = 0; i < 4; ++i) ptrs.push_back(arena.allocate(2 * kMiB));
+  for (auto p : ptrs) arena.free(p);
+  CHECK(arena.stats().num_slabs == 4 && arena.stats().capacity_bytes == 8 * kMiB);
+  auto big = arena.allocate(6 * kMiB);
+  std::memset(reinterpret_cast<void*>(big), 1, 6 * kMiB);
+  CHECK(arena.stats().capacity_bytes <= 8 * kMiB);
+  arena.free(big);
+  arena.trim();
+  // With one slab in use, only the empty ones go; the one in use stays where it is.
+  ptrs.clear();
+  for (int i = 0; i < 4; ++i) ptrs.push_back(arena.allocate(2 * kMiB));
+  for (int i = 1; i < 4; ++i) arena.free(ptrs[i]);
+  auto mid = arena.allocate(5 * kMiB);
+  std::memset(reinterpret_cast<void*>(mid), 2, 5 * kMiB);
+  CHECK(arena.stats().num_slabs == 2 && arena.stats().capacity_bytes <= 8 * kMiB);
+  std::memset(reinterpret_cast<void*>(ptrs[0]), 3, 2 * kMiB);  // still mapped
+  arena.free(mid);
+  arena.free(ptrs[0]);
+  auto all = arena.allocate(8 * kMiB);  // the whole cap, from an arena that had slabs everywhere
+  arena.free(all);
+  CHECK(arena.stats().used_bytes == 0);
+}
+
+TEST_CASE(the_cap_message_says_why) {
+  HostArena arena(4 * kMiB, kMiB, PinMode::kNone);
+  std::string what;
+  try {
+    arena.allocate(5 * kMiB);
+  } catch (const gpu_offload::Error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("larger than max_bytes") != std::string::npos);
+  CHECK(what.find("largest free block") == std::string::npos);
+  auto a = arena.allocate(kMiB), b = arena.allocate(kMiB), c = arena.allocate(kMiB);
+  arena.free(b);  // 2 MiB free in all, 1 MiB of it in a hole
+  what.clear();
+  try {
+    arena.allocate(2 * kMiB);
+  } catch (const gpu_offload::Error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("in use 2097152 bytes") != std::string::npos);
+  CHECK(what.find("largest free block") != std::string::npos);
+  arena.free(a);
+  arena.free(c);
+}
+
+namespace {
+int g_release_calls = 0;
+void fail_first_release(std::uintptr_t, std::size_t) {
+  if (g_release_calls++ == 0) throw gpu_offload::Error("injected: cudaHostUnregister failed");
+}
+}  // namespace
+
+TEST_CASE(trim_keeps_a_slab_it_cannot_release) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  auto a = arena.allocate(2 * kMiB), b = arena.allocate(2 * kMiB);
+  arena.free(a);
+  arena.free(b);
+  CHECK(arena.stats().num_slabs == 2);
+  g_release_calls = 0;
+  gpu_offload::testing::before_slab_release = fail_first_release;
+  std::string what;
+  try {
+    arena.trim();
+  } catch (const gpu_offload::Error& e) {
+    what = e.what();
+  }
+  gpu_offload::testing::before_slab_release = nullptr;
+  CHECK(what.find("injected") != std::string::npos && what.find("released 2097152 bytes") != std::string::npos);
+  auto s = arena.stats();
+  CHECK(s.num_slabs == 1 && s.capacity_bytes == 2 * kMiB && s.num_free_blocks == 1);
+  CHECK(s.largest_free_block_bytes == 2 * kMiB);
+  // The kept slab is whole and usable: a region of its size comes from it without a new slab.
+  auto c = arena.allocate(2 * kMiB);
+  std::memset(reinterpret_cast<void*>(c), 7, 2 * kMiB);
+  CHECK(arena.stats().num_slab_allocations == 2);
+  arena.free(c);
+  CHECK(arena.trim() == 2 * kMiB && arena.stats().capacity_bytes == 0);
+}
+
 int main() { return check::run_all(); }
