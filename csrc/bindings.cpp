@@ -8,6 +8,7 @@
 #include "core/copy_plan.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/errors.hpp"
+#include "core/thread_pool.hpp"
 
 #ifndef GPU_OFFLOAD_VERSION
 #define GPU_OFFLOAD_VERSION "0.0.0"
@@ -53,6 +54,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_runtime_version", &cuda::runtime_version);
   m.def("cuda_architectures", &cuda::architectures);
   m.def("available_host_memory", &available_host_memory);
+  m.def("host_threads", [] { return ThreadPool::instance().num_threads(); },
+        "Threads of the host copy pool (GPU_OFFLOAD_NUM_THREADS, default the cores, at most 16).");
   m.def(
       "host_memoryview",
       [](std::uintptr_t ptr, std::size_t num_bytes) {

@@ -120,7 +120,10 @@ std::size_t available_host_memory() {
 }
 
 HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
-    : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {}
+    : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {
+  // Every copy goes through an arena: a bad GPU_OFFLOAD_NUM_THREADS is refused here, before any byte moves.
+  ThreadPool::instance();
+}
 
 HostArena::~HostArena() {
   for (auto& [id, slab] : slabs_) {
@@ -217,6 +220,16 @@ bool HostArena::take_best_fit(std::size_t size, std::uintptr_t* out) {
   return true;
 }
 
+// Why a region does not fit under the cap, in the words that point at the remedy.
+std::string HostArena::cap_reason(std::size_t size) const {
+  if (size > max_bytes_) return "the region alone is larger than max_bytes";
+  const std::size_t largest = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
+  if (capacity_bytes_ - used_bytes_ + (max_bytes_ - capacity_bytes_) >= size) {
+    return "enough free bytes in total, but the largest free block is " + human(largest);
+  }
+  return "the regions in use leave too little room under the cap";
+}
+
 std::uintptr_t HostArena::allocate(std::size_t num_bytes) {
   const std::size_t size = round_up(std::max<std::size_t>(num_bytes, 1), kAlignment);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -227,8 +240,8 @@ std::uintptr_t HostArena::allocate(std::size_t num_bytes) {
   if (max_bytes_ != 0) {
     GO_CHECK(capacity_bytes_ + size <= max_bytes_,
              "arena cap exceeded: a region of " + human(size) + " does not fit; in use " + human(used_bytes_) +
-                 ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) +
-                 " (largest free block too small)");
+                 ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) + " (" +
+                 cap_reason(size) + ")");
     slab_size = std::min(slab_size, max_bytes_ - capacity_bytes_);
   }
   add_slab(slab_size);

@@ -75,6 +75,7 @@ class HostArena {
   using FreeKey = std::tuple<std::size_t, std::uint64_t, std::size_t>;  // size, slab id, offset
 
   bool take_best_fit(std::size_t size, std::uintptr_t* out);
+  std::string cap_reason(std::size_t size) const;
   void add_slab(std::size_t size);
   void release_slab(Slab& slab);
   void insert_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
