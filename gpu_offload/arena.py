@@ -8,6 +8,7 @@ import os
 import threading
 from typing import Any, Optional, Sequence
 
+from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 
@@ -22,10 +23,7 @@ def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name)
     if value is None or value == "":
         return None
-    try:
-        return int(float(value))
-    except ValueError:
-        raise OffloadError(f"{name}={value!r} is not a number of bytes") from None
+    return parse_bytes(value, name)
 
 
 class Region:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C
 from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
@@ -111,11 +112,7 @@ def gather_max_bytes() -> int:
     """Storages up to this size go through the gather/scatter kernel instead of the copy engines (CUDA,
     pinned arena only). GPU_OFFLOAD_GATHER_MAX_BYTES; 0 (the default until it is tuned on a GPU) keeps
     every copy on the copy engines."""
-    value = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES", "0")
-    try:
-        return max(0, int(float(value)))
-    except ValueError:
-        raise OffloadError(f"GPU_OFFLOAD_GATHER_MAX_BYTES={value!r} is not a number of bytes") from None
+    return parse_bytes(os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES") or "0", "GPU_OFFLOAD_GATHER_MAX_BYTES")
 
 
 class TargetPlan:
