@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="timed repetitions per method (median, min and max reported)")
     b.add_argument("--no-baselines", action="store_true", help="skip the per-tensor baseline methods")
     b.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    b.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown here")
     b.add_argument("--plot", type=Path, default=None,
                    help="write a PNG of every method as a fraction of the limit here (needs matplotlib)")
     sub.add_parser("info", parents=[common], help="version, build, devices, pinned-memory limits, arena defaults, "
@@ -171,6 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # Last of the checks, as it creates the output folders.
     _writable("--json", args.json)
     _writable("--plot", args.plot)
+    _writable("--markdown", args.markdown)
     console = _console()
     meta = bench.run_metadata(device)
     results = []
@@ -222,6 +224,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"--json {args.json}: cannot write: {exc.strerror or exc}") from None
         console.print(f"wrote {args.json}")
+    if args.markdown:
+        try:
+            args.markdown.write_text(markdown(results, meta, args))
+        except OSError as exc:
+            raise UsageError(f"--markdown {args.markdown}: cannot write: {exc.strerror or exc}") from None
+        console.print(f"wrote {args.markdown}")
     if args.plot:
         try:
             plot(results, args.plot, meta=meta)
@@ -229,6 +237,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot {args.plot}: cannot write: {exc.strerror or exc}") from None
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def markdown(results: list, meta: dict, args: argparse.Namespace) -> str:
+    """The tables as Markdown, headed by the command and the run's metadata."""
+    layouts = " ".join(f"--layout {name}" for name in (args.layout or ["qwen1.5b"]))
+    lines = [f"# gpu-offload bench, {meta.get('timestamp', '')}", "",
+             f"`gpu-offload bench --device {args.device or 'cpu'} {layouts} --repeats {args.repeats}`"
+             + (" `--no-baselines`" if args.no_baselines else ""), "",
+             f"host {meta.get('host')} ({meta.get('machine')}), device {meta.get('device_name') or results[0].device}, "
+             f"commit {meta.get('commit') or 'unknown'}, torch {meta.get('torch')}, CUDA {meta.get('torch_cuda')}, "
+             f"driver {meta.get('driver')}", "",
+             "GB/s and x limit: median of the repeats; min-max: slowest and fastest repeat (! = more than "
+             "1.5x apart); x limit: to the limit of the same direction in the same run.", ""]
+    for res in results:
+        lines += [f"## {res.layout}: {res.num_tensors} tensors, {res.nbytes / 1e9:.3f} GB {res.dtype}"
+                  + (f", scaled 1/{res.scale}" if res.scale > 1 else "") + f", {res.repeats} repeats", "",
+                  "| method | dir | ms | GB/s | min-max GB/s | x limit | note |", "|---|---|---:|---:|---:|---:|---|"]
+        for r in res.rows:
+            ratio = "" if r.ratio is None else f"{r.ratio:.3g}"
+            lines.append(f"| {r.method} | {r.direction} | {r.seconds * 1e3:.2f} | {_gb(r.gbps)} | {_gbps_range(r)} "
+                         f"| {ratio} | {r.note} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _is_engine(method: str) -> bool:

@@ -50,7 +50,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 def _need_safetensors() -> None:
     if importlib.util.find_spec("safetensors") is None:
         raise ImportError("saving and loading snapshots needs the safetensors package: "
-                          "pip install 'gpu-offload[all]' (or safetensors)")
+                          "pip install safetensors")
 
 
 # -- save ----------------------------------------------------------------------------------------------

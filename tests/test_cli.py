@@ -131,7 +131,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_bench_table_json_and_png(workdir: Path) -> None:
     # -v after the command: global options are accepted there too.
     proc = run_cli("bench", "-v", "--layout", "tiny.json", "--repeats", "3", "--json", "out/bench.json",
-                   "--plot", "out/bench.png", cwd=workdir)
+                   "--plot", "out/bench.png", "--markdown", "out/bench.md", cwd=workdir)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "gpu_offload: snapshot: 9 tensors" in proc.stderr, "bench -v turns on the debug log"
@@ -165,6 +165,15 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
         assert f"min-max {r['gbps_min']:.3g}-{r['gbps_max']:.3g} GB/s" in line and "over 3 repeat(s)" in line
     wide = [r for r in res["rows"] if r["spread"] > 1.5]
     assert ("warning:" in proc.stdout) == bool(wide)
+
+    # The Markdown table: the command, the commit, and one row per measurement with the same figures.
+    md = (workdir / "out/bench.md").read_text()
+    assert "--layout tiny.json --repeats 3" in md and f"commit {data['commit'] or 'unknown'}" in md
+    md_rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert len(md_rows) == len(res["rows"])
+    for line, r in zip(md_rows, res["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.3g}"], line
 
     png = (workdir / "out/bench.png").read_bytes()
     assert png[:8] == PNG_MAGIC
