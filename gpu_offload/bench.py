@@ -421,6 +421,8 @@ def run_metadata(device: torch.device) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "driver": None,
         "device_name": None,
+        # How busy the machine was as the run began (1, 5, 15 minutes): a shared machine's figures swing.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     src = Path(__file__).resolve().parent.parent
     if (src / ".git").exists() and shutil.which("git"):

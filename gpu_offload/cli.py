@@ -288,7 +288,8 @@ def plot(results: list, path: Path, meta: Optional[dict] = None) -> None:
     colors = {m: plt.cm.Blues(0.45 + 0.5 * i / max(1, len(engine) - 1)) for i, m in enumerate(engine)}
     colors.update({m: plt.cm.Oranges(0.35 + 0.5 * i / max(1, len(baselines) - 1)) for i, m in enumerate(baselines)})
 
-    fig, ax = plt.subplots(figsize=(14, 8), dpi=100)
+    # Constrained layout keeps the legend under the axes inside the 1400 x 800 px figure.
+    fig, ax = plt.subplots(figsize=(14, 8), dpi=100, layout="constrained")
     width = 0.84 / max(1, len(order))
     labelled: set = set()
     lows, highs = [1.0], [1.0]
@@ -325,25 +326,26 @@ def plot(results: list, path: Path, meta: Optional[dict] = None) -> None:
     for res in results:
         lim = res.info.get("limits_gbps", {})
         parts = [f"{d} {_gb(lim[d])}" for d in ("d2h", "h2d", "both") if d in lim]
-        labels.append(f"{res.layout}\n{res.num_tensors} tensors, {res.nbytes / 1e9:.2f} GB"
-                      + (f" (1/{res.scale})" if res.scale > 1 else "") + f"\nlimit GB/s: {', '.join(parts)}")
+        labels.append(f"{res.layout}\n{res.num_tensors} tensors\n{res.nbytes / 1e9:.2f} GB"
+                      + (f" (1/{res.scale})" if res.scale > 1 else "") + f"\nlimit GB/s:\n{', '.join(parts)}")
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels(labels, fontsize=10)
     ax.set_xlim(-0.5, len(results) - 0.5)
     ax.set_ylabel("throughput / limit in the same run (log scale)\nbar: median of the repeats; whisker: "
                   "slowest to fastest repeat", fontsize=11)
     ax.tick_params(axis="y", labelsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=10, frameon=False,
-              title="blue: gpu_offload    orange: per-tensor baselines", title_fontsize=10)
+    fig.legend(loc="outside lower center", ncol=4, fontsize=10, frameon=False,
+               title="blue: gpu_offload    orange: per-tensor baselines", title_fontsize=10)
     device = results[0].device if results else "?"
     machine = meta.get("device_name") or (f"CPU only ({meta.get('machine', '')}; the link is host memory)"
                                           if device == "cpu" else device)
     when = (meta.get("timestamp") or "")[:10]
+    load = meta.get("load_average")
+    busy = f", load average {load[0]:.1f} at the start" if load else ""
     repeats = results[0].repeats if results else 0
     ax.set_title(f"gpu_offload bench on {machine}: each method as a fraction of the limit\n"
                  f"{when}, host {meta.get('host', '?')}, commit {meta.get('commit') or 'unknown'}, "
-                 f"{repeats} repeats, torch {meta.get('torch', '?')}", fontsize=12)
-    fig.tight_layout()
+                 f"{repeats} repeats, torch {meta.get('torch', '?')}{busy}", fontsize=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         # PNG whatever the name says: matplotlib would otherwise pick (or reject) a format by the suffix.
