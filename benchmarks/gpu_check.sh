@@ -49,7 +49,7 @@ timeout 60 $PY benchmarks/stress_threads.py --device cuda --seconds 30 2>&1 | ta
 
 log "benchmark"
 timeout 300 $PY -m gpu_offload bench --device cuda --layout all --repeats 5 \
-  --json "$OUT/bench-h200.json" --plot "$OUT/bench-h200.png" 2>&1 | tee "$OUT/bench-h200.txt"
+  --json "$OUT/bench-h200.json" --markdown "$OUT/bench-h200.md" --plot "$OUT/bench-h200.png" 2>&1 | tee "$OUT/bench-h200.txt"
 
 log "summary"
 $PY - "$OUT/bench-h200.json" <<'PYEOF'

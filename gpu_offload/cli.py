@@ -247,7 +247,8 @@ def markdown(results: list, meta: dict, args: argparse.Namespace) -> str:
              + (" `--no-baselines`" if args.no_baselines else ""), "",
              f"host {meta.get('host')} ({meta.get('machine')}), device {meta.get('device_name') or results[0].device}, "
              f"commit {meta.get('commit') or 'unknown'}, torch {meta.get('torch')}, CUDA {meta.get('torch_cuda')}, "
-             f"driver {meta.get('driver')}", "",
+             f"driver {meta.get('driver')}"
+             + (f", load average {meta['load_average'][0]:.1f} at the start" if meta.get("load_average") else ""), "",
              "GB/s and x limit: median of the repeats; min-max: slowest and fastest repeat (! = more than "
              "1.5x apart); x limit: to the limit of the same direction in the same run.", ""]
     for res in results:
