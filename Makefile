@@ -17,11 +17,12 @@ setup: $(STAMP)
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
 
-# torch first (the local CPU wheel where one exists), then the build tools, then the package in place.
+# torch first (the local CPU wheel where one exists), then the build tools, then the package in place,
+# built in build/cmake (named: setup.py otherwise builds in a scratch folder), where test-cpp runs ctest.
 $(STAMP): $(SOURCES) | $(PY)
 	$(PIP) install --upgrade pip
-	$(PIP) install "$(TORCH_SPEC)" setuptools wheel "pybind11>=2.12" ninja cmake
-	$(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
+	$(PIP) install "$(TORCH_SPEC)" "setuptools>=77" wheel "pybind11>=2.12" ninja "cmake>=3.24"
+	GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
 	touch $(STAMP)
 
 build: setup

@@ -8,6 +8,7 @@
 #include "core/copy_plan.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/errors.hpp"
+#include "core/thread_pool.hpp"
 
 #ifndef GPU_OFFLOAD_VERSION
 #define GPU_OFFLOAD_VERSION "0.0.0"
@@ -56,6 +57,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("engine_streams", &cuda::engine_streams, py::arg("device"),
         "The engine's streams on a device as cudaStream_t integers: copy D2H, copy H2D, kernel D2H, kernel H2D.",
         py::call_guard<py::gil_scoped_release>());
+  m.def("host_threads", [] { return ThreadPool::instance().num_threads(); },
+        "Threads of the host copy pool (GPU_OFFLOAD_NUM_THREADS, default the cores, at most 16).");
   m.def(
       "host_memoryview",
       [](std::uintptr_t ptr, std::size_t num_bytes) {

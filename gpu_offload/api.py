@@ -78,7 +78,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     CPU tensors are copied before this returns.
 
     Args:
-        target: an nn.Module, an Optimizer, a Mapping of tensors, or a list/tuple of these.
+        target: an nn.Module, an Optimizer, a Mapping of tensors, a tensor, or a list/tuple of these.
         include_grads: also copy parameters' `.grad` tensors (named "<param>.grad").
         arena: the arena to copy into (default: the shared default arena).
         checksum: also record a checksum of every storage, computed from the source as it is copied (on a

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import threading
 from typing import Any, Optional, Sequence
 
+from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 
@@ -17,25 +17,14 @@ logger = logging.getLogger("gpu_offload")
 _MIB = 1 << 20
 _DEFAULT_MIN_SLAB_BYTES = 256 * _MIB
 _PIN_MODES = ("auto", "none", "hostalloc", "register")
-_MAX_ENV_BYTES = (1 << 63) - 1
 
 
 def _env_int(name: str) -> Optional[int]:
-    """A byte count from the environment (8000000000 or 8e9); None when unset or empty."""
+    """A byte count from the environment (8000000000, 8e9, 8GiB); None when unset or empty."""
     value = os.environ.get(name)
     if value is None or value == "":
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        try:
-            number = float(value)
-        except ValueError:
-            raise OffloadError(f"{name}={value!r} is not a number of bytes") from None
-    if not math.isfinite(number) or abs(number) > _MAX_ENV_BYTES:
-        raise OffloadError(f"{name}={value!r} is not a finite number of bytes up to 2**63-1 "
-                           "(unset it for the default)")
-    return int(number)
+    return parse_bytes(value, name)
 
 
 class Region:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -110,8 +110,15 @@ def make_tensors(layout: Layout, device: torch.device) -> dict[str, torch.Tensor
     return out
 
 
+SCHEMA_VERSION = 2  # of the JSON record; 2: per-repeat samples, spread, run metadata
+WIDE_SPREAD = 1.5  # max/min of a measurement's repeats above which the table warns
+
+
 @dataclass
 class Row:
+    """One measurement: `seconds`, `gbps` and `ratio` are at the median of the repeats; `samples` are the
+    seconds of every repeat, `gbps_min`/`gbps_max` the slowest and fastest repeat."""
+
     method: str
     direction: str  # d2h, h2d, both
     seconds: float
@@ -119,6 +126,19 @@ class Row:
     gbps: float
     ratio: Optional[float] = None  # to the limit of the same direction, same run
     note: str = ""
+    samples: list[float] = field(default_factory=list)
+    gbps_min: float = 0.0
+    gbps_max: float = 0.0
+    iqr_seconds: float = 0.0  # interquartile range of the samples
+
+    @property
+    def spread(self) -> float:
+        """Slowest over fastest repeat (1.0 for a single repeat)."""
+        return self.gbps_max / self.gbps_min if self.gbps_min > 0 else 1.0
+
+    @property
+    def wide(self) -> bool:
+        return self.spread > WIDE_SPREAD
 
 
 @dataclass
@@ -129,11 +149,15 @@ class Result:
     nbytes: int
     scale: int
     repeats: int
+    dtype: str = ""
     rows: list[Row] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for row, data in zip(self.rows, out["rows"]):
+            data["spread"] = row.spread
+        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -142,8 +166,16 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Optional[Callable[[], Any]] = None,
-          warmup: int = 1) -> float:
-    """Median seconds of fn over repeats, after warm-up; setup runs untimed before each call."""
+          warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, after `warmup` untimed calls; setup runs untimed before each.
+
+    Not torch.utils.benchmark.Timer: its timeit() adds at least two warm-up calls per measurement and has no
+    untimed per-call setup (offload needs a reload before each call, a snapshot the previous one freed), and
+    its clock synchronizes the current device rather than the one measured. Every method, the limit
+    included, is timed by this one loop so that their ratios compare like with like; the statistics come
+    from torch.utils.benchmark.Measurement. On a GPU each call is bracketed by a synchronize of its device,
+    so asynchronous copies are timed until they have finished.
+    """
     times = []
     for i in range(warmup + repeats):
         if setup is not None:
@@ -154,7 +186,7 @@ def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Opti
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def _release_torch_pinned() -> None:
@@ -175,38 +207,63 @@ def _release_torch_pinned() -> None:
             return
 
 
-def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,
-        progress: Optional[Callable[[str], None]] = None, gather_sweep: Sequence[int] = ()) -> Result:
-    """Measures every method on one layout; returns rows with GB/s and the ratio to the limit."""
-    step = progress or (lambda _name: None)
-    tensors = make_tensors(layout, device)
-    nbytes = layout.nbytes
-    result = Result(layout.name, str(device), layout.num_tensors, nbytes, layout.scale, repeats)
-    pinned = device.type == "cuda"
-    limits: dict[str, float] = {}
+class Bench:
+    """What every group of measurements shares in one run: the layout's tensors, the engine's arena, the
+    limits measured so far, and `measure`, which times one method, turns it into a Row and reports it.
 
-    def add(method: str, direction: str, seconds: float, note: str = "", moved: Optional[int] = None) -> None:
-        moved = nbytes if moved is None else moved
-        gbps = moved / seconds / 1e9
-        ratio = gbps / limits[direction] if direction in limits and method != "limit" else None
-        result.rows.append(Row(method, direction, seconds, moved, gbps, ratio, note))
+    A group is a function `group(bench) -> list[Row]` (see GROUPS); `run` calls each in turn, so a new
+    kind of measurement is one more function."""
 
-    # The limit: one contiguous copy of the same bytes, each way.
-    step("limit")
-    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)
-    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    t = _time(lambda: flat_host.copy_(flat_dev, non_blocking=True), device, repeats)
-    limits["d2h"] = nbytes / t / 1e9
-    add("limit", "d2h", t, "one contiguous copy of the same bytes" + (" (pinned)" if pinned else ""))
-    t = _time(lambda: flat_dev.copy_(flat_host, non_blocking=True), device, repeats)
-    limits["h2d"] = nbytes / t / 1e9
-    add("limit", "h2d", t, "one contiguous copy of the same bytes" + (" (pinned)" if pinned else ""))
+    def __init__(self, layout: Layout, device: torch.device, repeats: int,
+                 on_row: Optional[Callable[[Row], None]] = None) -> None:
+        self.layout = layout
+        self.device = device
+        self.repeats = repeats
+        self.nbytes = layout.nbytes
+        self.pinned = device.type == "cuda"
+        self.tensors = make_tensors(layout, device)
+        self.arena = Arena()
+        self.limits: dict[str, float] = {}  # GB/s at the median, per direction
+        self.info: dict[str, Any] = {}
+        self._on_row = on_row
+
+    def measure(self, method: str, direction: str, fn: Callable[[], Any], *, note: str = "",
+                setup: Optional[Callable[[], Any]] = None, repeats: Optional[int] = None, warmup: int = 1,
+                moved: Optional[int] = None) -> Row:
+        """Times fn and returns its Row; a `limit` row also sets the limit of its direction."""
+        from torch.utils.benchmark import Measurement
+        from torch.utils.benchmark.utils.common import TaskSpec
+
+        samples = _time(fn, self.device, self.repeats if repeats is None else repeats, setup, warmup)
+        stats = Measurement(1, samples, TaskSpec(stmt=method, setup=""))
+        moved = self.nbytes if moved is None else moved
+        gbps = moved / stats.median / 1e9
+        if method == "limit":
+            self.limits[direction] = gbps
+        limit = self.limits.get(direction) if method != "limit" else None
+        row = Row(method, direction, stats.median, moved, gbps, None if limit is None else gbps / limit, note,
+                  samples=list(samples), gbps_min=moved / max(samples) / 1e9, gbps_max=moved / min(samples) / 1e9,
+                  iqr_seconds=stats.iqr)
+        if self._on_row is not None:
+            self._on_row(row)
+        return row
+
+
+def measure_limits(b: Bench) -> list[Row]:
+    """The limit: one contiguous copy of the same bytes, each way."""
+    note = "one contiguous copy of the same bytes" + (" (pinned)" if b.pinned else "")
+    flat_dev = torch.empty(b.nbytes, dtype=torch.uint8, device=b.device).fill_(7)
+    flat_host = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=b.pinned)
+    rows = [b.measure("limit", "d2h", lambda: flat_host.copy_(flat_dev, non_blocking=True), note=note),
+            b.measure("limit", "h2d", lambda: flat_dev.copy_(flat_host, non_blocking=True), note=note)]
     del flat_dev, flat_host
     _release_torch_pinned()
+    return rows
 
-    # The engine, on a warm arena (first cycle pins; steady state is what a training loop sees).
-    arena = Arena()
-    step("gpu_offload.snapshot")
+
+def measure_engine(b: Bench) -> list[Row]:
+    """The engine, on a warm arena (first cycle pins; steady state is what a training loop sees)."""
+    tensors, arena = b.tensors, b.arena
     holder: dict[str, Any] = {}
 
     def snap() -> None:
@@ -216,10 +273,6 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
         if "snap" in holder:
             holder.pop("snap").free()
 
-    add("gpu_offload.snapshot+wait", "d2h", _time(snap, device, repeats, setup=free_snap))
-    step("gpu_offload.restore")
-    add("gpu_offload.restore", "h2d", _time(lambda: api.restore(tensors, holder["snap"]), device, repeats))
-    free_snap()
     def ensure_resident() -> None:
         if api.is_offloaded(tensors):
             api.reload(tensors)
@@ -228,101 +281,174 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
         if not api.is_offloaded(tensors):
             api.offload(tensors, arena=arena)
 
-    step("gpu_offload.offload")
-    add("gpu_offload.offload", "d2h",
-        _time(lambda: api.offload(tensors, arena=arena), device, repeats, setup=ensure_resident),
-        "empty_cache included")
-    step("gpu_offload.reload")
-    add("gpu_offload.reload", "h2d", _time(lambda: api.reload(tensors), device, repeats, setup=ensure_offloaded))
+    rows = [b.measure("gpu_offload.snapshot+wait", "d2h", snap, setup=free_snap),
+            b.measure("gpu_offload.restore", "h2d", lambda: api.restore(tensors, holder["snap"]))]
+    free_snap()
+    rows.append(b.measure("gpu_offload.offload", "d2h", lambda: api.offload(tensors, arena=arena),
+                          setup=ensure_resident, note="empty_cache included"))
+    rows.append(b.measure("gpu_offload.reload", "h2d", lambda: api.reload(tensors), setup=ensure_offloaded))
+    ensure_resident()
+    b.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
+    return rows
+
+
+def measure_both_ways(b: Bench) -> list[Row]:
+    """GPU only. Both directions at once: the limit is one D2H and one H2D of the same bytes on two streams;
+    the engine swaps this layout out while a second copy of it comes back in."""
+    if b.device.type != "cuda":
+        return []
+    device, nbytes, tensors, arena = b.device, b.nbytes, b.tensors, b.arena
+    a, c = (torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+    ha, hc = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            ha.copy_(a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            c.copy_(hc, non_blocking=True)
+
+    rows = [b.measure("limit", "both", both, note="one D2H and one H2D of the same bytes on two streams",
+                      moved=2 * nbytes)]
+    del a, c, ha, hc
+    _release_torch_pinned()
+    other = make_tensors(b.layout, device)
+    api.offload(other, arena=arena)
+    pair = [tensors, other]
+
+    def swap_once() -> None:
+        api.swap(pair[0], pair[1], arena=arena)
+        pair.reverse()
+
+    rows.append(b.measure("gpu_offload.swap", "both", swap_once, note="offload one while reloading another",
+                          moved=2 * nbytes))
     if api.is_offloaded(tensors):
-        api.reload(tensors)
-    result.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
-    if gather_sweep and device.type == "cuda":
-        step("gather threshold sweep")
-        _gather_sweep(tensors, device, repeats, arena, add, gather_sweep)
+        api.swap(other, tensors, arena=arena)
+    if api.is_offloaded(other):
+        api.reload(other)
+    return rows
 
-    if device.type == "cuda":
-        # Both directions at once: the limit is one D2H and one H2D of the same bytes on two streams; the
-        # engine swaps this layout out while a second copy of it comes back in.
-        step("gpu_offload.swap")
-        a, b = torch.empty(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
-        ha, hb = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-        def both() -> None:
-            with torch.cuda.stream(s1):
-                ha.copy_(a, non_blocking=True)
-            with torch.cuda.stream(s2):
-                b.copy_(hb, non_blocking=True)
+def measure_first_use(b: Bench) -> list[Row]:
+    """GPU only. A fresh arena: the first snapshot pins its memory (what a new process pays once), against
+    allocating a pinned buffer with torch and copying into it. Timed once each: there is only one first."""
+    if b.device.type != "cuda":
+        return []
+    tensors = b.tensors
+    cold = Arena()
 
-        t = _time(both, device, repeats)
-        limits["both"] = 2 * nbytes / t / 1e9
-        add("limit", "both", t, "one D2H and one H2D of the same bytes on two streams", moved=2 * nbytes)
-        del a, b, ha, hb
+    def first() -> None:
+        api.snapshot(tensors, arena=cold).wait().free()
+
+    rows = [b.measure("first snapshot, fresh arena", "d2h", first, repeats=1, warmup=0, note="pinning included")]
+    b.info["cold_arena"] = cold.stats()
+    del cold
+
+    def torch_pinned() -> None:
+        host = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=True)
+        off = 0
+        for t_ in tensors.values():
+            n = t_.numel() * t_.element_size()
+            host[off:off + n].copy_(t_.reshape(-1).view(torch.uint8), non_blocking=True)
+            off += n
+
+    rows.append(b.measure("torch.empty(pin_memory=True) + copy", "d2h", torch_pinned, repeats=1, warmup=0,
+                          note="pinning included"))
+    _release_torch_pinned()
+    return rows
+
+
+def measure_baselines(b: Bench) -> list[Row]:
+    """The per-tensor ways the engine replaces."""
+    values = list(b.tensors.values())
+    rows = []
+    if b.device.type == "cuda":
+        rows.append(b.measure("seed: p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values], repeats=1,
+                              note="verl DetachActorWorker"))
+        rows.append(b.measure("p.to('cpu', non_blocking=True)+sync", "d2h",
+                              lambda: [p.to("cpu", non_blocking=True) for p in values]))
+    else:
+        rows.append(b.measure("seed: p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values],
+                              note="on the CPU .cpu() is a no-op: one clone per tensor"))
+    host = [torch.empty_like(p, device="cpu", pin_memory=b.pinned) for p in values]
+    note = "pinned" if b.pinned else ""
+    rows.append(b.measure("preallocated per-tensor copy_", "d2h",
+                          lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, values)], note=note))
+    rows.append(b.measure("preallocated per-tensor copy_ back", "h2d",
+                          lambda: [p.copy_(h, non_blocking=True) for h, p in zip(host, values)], note=note))
+    del host
+    if b.pinned:
         _release_torch_pinned()
-        other = make_tensors(layout, device)
-        api.offload(other, arena=arena)
-        pair = [tensors, other]
+    return rows
 
-        def swap_once() -> None:
-            api.swap(pair[0], pair[1], arena=arena)
-            pair.reverse()
 
-        add("gpu_offload.swap", "both", _time(swap_once, device, repeats), "offload one while reloading another",
-            moved=2 * nbytes)
-        if api.is_offloaded(tensors):
-            api.swap(other, tensors, arena=arena)
-        if api.is_offloaded(other):
-            api.reload(other)
-        del other, pair
+# The groups `run` measures, in order; the limits come first (every ratio is to them).
+GROUPS: list[Callable[[Bench], list[Row]]] = [measure_limits, measure_engine, measure_both_ways, measure_first_use]
 
-        # A fresh arena: the first snapshot pins its memory (what a new process pays once), against
-        # allocating a pinned buffer with torch and copying into it.
-        step("first snapshot, fresh arena")
-        cold = Arena()
 
-        def first() -> None:
-            api.snapshot(tensors, arena=cold).wait().free()
+def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,
+        progress: Optional[Callable[[str], None]] = None, on_row: Optional[Callable[[Row], None]] = None,
+        groups: Optional[Sequence[Callable[[Bench], list[Row]]]] = None,
+        extra_groups: Sequence[Callable[[Bench], list[Row]]] = ()) -> Result:
+    """Measures every group on one layout; returns rows with GB/s, their spread and the ratio to the limit.
 
-        add("first snapshot, fresh arena", "d2h", _time(first, device, 1, warmup=0), "pinning included")
-        result.info["cold_arena"] = cold.stats()
-        del cold
-
-        def torch_pinned() -> None:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            off = 0
-            for t_ in tensors.values():
-                n = t_.numel() * t_.element_size()
-                host[off:off + n].copy_(t_.reshape(-1).view(torch.uint8), non_blocking=True)
-                off += n
-
-        add("torch.empty(pin_memory=True) + copy", "d2h", _time(torch_pinned, device, 1, warmup=0),
-            "pinning included")
-        _release_torch_pinned()
-
-    if baselines:
-        step("baselines")
-        values = list(tensors.values())
-        if device.type == "cuda":
-            add("seed: p.cpu().clone()", "d2h", _time(lambda: [p.cpu().clone() for p in values], device, 1),
-                "verl DetachActorWorker")
-            add("p.to('cpu', non_blocking=True)+sync", "d2h",
-                _time(lambda: [p.to("cpu", non_blocking=True) for p in values], device, repeats))
-        else:
-            add("seed: p.cpu().clone()", "d2h", _time(lambda: [p.cpu().clone() for p in values], device, repeats),
-                "on the CPU .cpu() is a no-op: one clone per tensor")
-        host = [torch.empty_like(p, device="cpu", pin_memory=pinned) for p in values]
-        add("preallocated per-tensor copy_", "d2h",
-            _time(lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, values)], device, repeats),
-            "pinned" if pinned else "")
-        add("preallocated per-tensor copy_ back", "h2d",
-            _time(lambda: [p.copy_(h, non_blocking=True) for h, p in zip(host, values)], device, repeats),
-            "pinned" if pinned else "")
-        del host
-        if pinned:
-            _release_torch_pinned()
-    result.info["limits_gbps"] = limits
+    `groups` replaces the default groups (GROUPS, then the baselines); `extra_groups` are measured after
+    them (e.g. `gather_sweep(...)`, `bench_stager.measure_stager`). `progress(name)` is called before each
+    group, `on_row(row)` after each finished measurement."""
+    b = Bench(layout, device, repeats, on_row)
+    dtype = str(layout.dtype).replace("torch.", "")
+    result = Result(layout.name, str(device), layout.num_tensors, layout.nbytes, layout.scale, repeats, dtype)
+    chosen = list(groups) if groups is not None else GROUPS + ([measure_baselines] if baselines else [])
+    chosen += list(extra_groups)
+    for group in chosen:
+        if progress is not None:
+            progress(group.__name__.replace("measure_", "").replace("_", " "))
+        result.rows.extend(group(b))
+    result.info.update(b.info)
+    result.info["limits_gbps"] = dict(b.limits)
     return result
+
+
+def run_metadata(device: torch.device) -> dict[str, Any]:
+    """Where and when: timestamp, host, the package's git commit (in a checkout), torch, CUDA and driver."""
+    import datetime
+    import platform
+    import shutil
+    import subprocess
+
+    meta: dict[str, Any] = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "commit": None,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "driver": None,
+        "device_name": None,
+        # How busy the machine was as the run began (1, 5, 15 minutes): a shared machine's figures swing.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    src = Path(__file__).resolve().parent.parent
+    if (src / ".git").exists() and shutil.which("git"):
+        try:
+            head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                  text=True, timeout=10)
+            dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            if head.returncode == 0:
+                meta["commit"] = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if device.type == "cuda":
+        meta["device_name"] = torch.cuda.get_device_name(device)
+        if shutil.which("nvidia-smi"):
+            try:
+                smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=20)
+                meta["driver"] = smi.stdout.split("\n")[0].strip() or None
+            except (OSError, subprocess.SubprocessError):
+                pass
+    return meta
 
 
 def default_scale(layout_name: str, device: torch.device) -> int:
@@ -332,36 +458,46 @@ def default_scale(layout_name: str, device: torch.device) -> int:
     return {"qwen1.5b": 16, "qwen7b": 64, "small64k": 4, "tiny4k": 2, "mixed": 16}.get(layout_name, 1)
 
 
-def _gather_sweep(tensors: dict[str, torch.Tensor], device: torch.device, repeats: int, arena: Arena,
-                  add: Callable[..., None], thresholds: Sequence[int]) -> None:
-    """snapshot+wait and restore with GPU_OFFLOAD_GATHER_MAX_BYTES set to each threshold in turn (storages up
-    to it go through the gather/scatter kernel), in this process; one row per threshold and direction."""
-    import os
+def gather_sweep(thresholds: Sequence[int]) -> Callable[[Bench], list[Row]]:
+    """A group (GPU only): snapshot+wait and restore with GPU_OFFLOAD_GATHER_MAX_BYTES set to each threshold in
+    turn (storages up to it go through the gather/scatter kernel), in this process; one row per threshold
+    and direction."""
 
-    from . import plan as _plan
+    def measure_gather_sweep(b: Bench) -> list[Row]:
+        import os
 
-    before = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES")
-    try:
-        for limit in thresholds:
-            os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = str(int(limit))
-            _plan.clear_cache()  # plans read the threshold when they are built
-            holder: dict[str, Any] = {}
+        from . import plan as _plan
 
-            def snap() -> None:
-                holder["snap"] = api.snapshot(tensors, arena=arena).wait()
+        if b.device.type != "cuda":
+            return []
+        tensors, arena = b.tensors, b.arena
+        rows: list[Row] = []
+        before = os.environ.get("GPU_OFFLOAD_GATHER_MAX_BYTES")
+        try:
+            for limit in thresholds:
+                os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = str(int(limit))
+                _plan.clear_cache()  # plans read the threshold when they are built
+                holder: dict[str, Any] = {}
 
-            def free_snap() -> None:
-                if "snap" in holder:
-                    holder.pop("snap").free()
+                def snap() -> None:
+                    holder["snap"] = api.snapshot(tensors, arena=arena).wait()
 
-            note = f"GPU_OFFLOAD_GATHER_MAX_BYTES={int(limit)}"
-            add(f"snapshot+wait, gather<={int(limit)}", "d2h", _time(snap, device, repeats, setup=free_snap), note)
-            add(f"restore, gather<={int(limit)}", "h2d",
-                _time(lambda: api.restore(tensors, holder["snap"]), device, repeats), note)
-            free_snap()
-    finally:
-        if before is None:
-            os.environ.pop("GPU_OFFLOAD_GATHER_MAX_BYTES", None)
-        else:
-            os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = before
-        _plan.clear_cache()
+                def free_snap() -> None:
+                    if "snap" in holder:
+                        holder.pop("snap").free()
+
+                note = f"GPU_OFFLOAD_GATHER_MAX_BYTES={int(limit)}"
+                rows.append(b.measure(f"snapshot+wait, gather<={int(limit)}", "d2h", snap, setup=free_snap,
+                                      note=note))
+                rows.append(b.measure(f"restore, gather<={int(limit)}", "h2d",
+                                      lambda: api.restore(tensors, holder["snap"]), note=note))
+                free_snap()
+        finally:
+            if before is None:
+                os.environ.pop("GPU_OFFLOAD_GATHER_MAX_BYTES", None)
+            else:
+                os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = before
+            _plan.clear_cache()
+        return rows
+
+    return measure_gather_sweep

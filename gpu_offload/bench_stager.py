@@ -11,14 +11,14 @@ state dict dropped before the next (as a finished checkpoint write drops it).
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from . import bench
 from .arena import Arena
 
-__all__ = ["dcp_stager", "rows"]
+__all__ = ["dcp_stager", "measure_stager"]
 
 
 def dcp_stager(device: torch.device) -> tuple[str, Callable[[], Any]]:
@@ -36,21 +36,13 @@ def dcp_stager(device: torch.device) -> tuple[str, Callable[[], Any]]:
     return f"DCP DefaultStager(pinned={pinned})", lambda: DefaultStager(options)
 
 
-def rows(layout: bench.Layout, device: torch.device, *, repeats: int = 5, limit_gbps: Optional[float] = None,
-         progress: Optional[Callable[[str], None]] = None) -> list[bench.Row]:
-    """Times ArenaStager and DCP's stager staging the layout's tensors (device to host); returns rows in
-    the shape of bench.run's (ratio: to `limit_gbps`, the same run's one-contiguous-copy limit)."""
+def measure_stager(b: bench.Bench) -> list[bench.Row]:
+    """A bench group: ArenaStager and DCP's stager staging the layout's tensors (device to host), each on
+    its first call and in steady state; ratios are to the same run's one-contiguous-copy limit."""
     from .checkpoint import ArenaStager
 
-    step = progress or (lambda _name: None)
-    tensors = bench.make_tensors(layout, device)
-    nbytes = layout.nbytes
-    out: list[bench.Row] = []
-
-    def add(method: str, seconds: float, note: str) -> None:
-        gbps = nbytes / seconds / 1e9
-        out.append(bench.Row(method=method, direction="d2h", seconds=seconds, nbytes=nbytes, gbps=gbps,
-                             ratio=None if not limit_gbps else gbps / limit_gbps, note=note))
+    tensors = b.tensors
+    rows: list[bench.Row] = []
 
     def measure(name: str, stager: Any, first_note: str, steady_note: str) -> None:
         held: dict[str, Any] = {}
@@ -61,20 +53,18 @@ def rows(layout: bench.Layout, device: torch.device, *, repeats: int = 5, limit_
         def drop() -> None:
             held.pop("sd", None)
 
-        add(f"{name} first call", bench._time(stage, device, 1, warmup=0), first_note)
-        add(f"{name} steady state", bench._time(stage, device, repeats, setup=drop), steady_note)
+        rows.append(b.measure(f"{name} first call", "d2h", stage, repeats=1, warmup=0, note=first_note))
+        rows.append(b.measure(f"{name} steady state", "d2h", stage, setup=drop, note=steady_note))
         drop()
         stager.close()
 
-    step("ArenaStager")
     arena = Arena()  # a fresh arena: the first call pins what the checkpoint needs
     measure("ArenaStager", ArenaStager(arena), "fresh arena, pinning included", "arena reused, nothing pinned")
     del arena
     gc.collect()
 
-    name, make = dcp_stager(device)
-    step(name)
-    measure(name, make(), "empty cache, allocation" + (" and pinning" if device.type == "cuda" else "") + " included",
+    name, make = dcp_stager(b.device)
+    measure(name, make(), "empty cache, allocation" + (" and pinning" if b.device.type == "cuda" else "") + " included",
             "cached host copies reused")
     bench._release_torch_pinned()
-    return out
+    return rows

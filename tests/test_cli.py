@@ -58,18 +58,29 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[c.strip() for c in line.split("│")[1:-1]] for line in stdout.splitlines() if line.startswith("│")]
 
 
-def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale: int, baselines: bool) -> None:
+def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale: int, baselines: bool,
+                 repeats: int = 1) -> None:
     """Structure of one layout's result, positive figures, and ratios equal to GB/s over the limit."""
     assert res["layout"] == layout
     assert res["device"] == "cpu"
-    assert (res["num_tensors"], res["nbytes"], res["scale"], res["repeats"]) == (num_tensors, nbytes, scale, 1)
+    assert (res["num_tensors"], res["nbytes"], res["scale"], res["repeats"]) == (num_tensors, nbytes, scale, repeats)
     rows = res["rows"]
+    repeats = res["repeats"]
     for r in rows:
-        assert set(r) == {"method", "direction", "seconds", "nbytes", "gbps", "ratio", "note"}, r
+        assert set(r) == {"method", "direction", "seconds", "nbytes", "gbps", "ratio", "note", "samples", "gbps_min",
+                          "gbps_max", "iqr_seconds", "spread"}, r
         assert r["direction"] in ("d2h", "h2d"), r
         assert r["nbytes"] == nbytes
         assert r["seconds"] > 0 and r["gbps"] > 0 and math.isfinite(r["gbps"]), r
         assert r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9, rel=1e-9), r
+        # Spread: every repeat's seconds, the median among them, min/max GB/s from the slowest/fastest.
+        samples = r["samples"]
+        assert len(samples) == repeats and all(t > 0 for t in samples), r
+        assert min(samples) <= r["seconds"] <= max(samples), r
+        assert r["gbps_min"] == pytest.approx(nbytes / max(samples) / 1e9, rel=1e-9), r
+        assert r["gbps_max"] == pytest.approx(nbytes / min(samples) / 1e9, rel=1e-9), r
+        assert r["spread"] == pytest.approx(max(samples) / min(samples), rel=1e-9), r
+        assert 0 <= r["iqr_seconds"] <= max(samples) - min(samples) + 1e-12, r
     limits = {r["direction"]: r["gbps"] for r in rows if r["method"] == "limit"}
     assert sorted(limits) == ["d2h", "h2d"], "one limit per direction"
     assert res["info"]["limits_gbps"] == pytest.approx(limits)
@@ -91,11 +102,12 @@ def check_table(stdout: str, res: dict) -> None:
     rows = table_rows(stdout)
     assert len(rows) == len(res["rows"]), stdout
     for cells, r in zip(rows, res["rows"]):
-        method, direction, ms, gbps, ratio, _note = cells
+        method, direction, ms, gbps, span, ratio, _note = cells
         assert method == r["method"], "method names are printed in full (no truncation when piped)"
         assert direction == r["direction"]
-        assert gbps == f"{r['gbps']:.2f}" and ms == f"{r['seconds'] * 1e3:.2f}"
-        assert ratio == ("" if r["ratio"] is None else f"{r['ratio']:.2f}")
+        assert gbps == f"{r['gbps']:.3g}" and ms == f"{r['seconds'] * 1e3:.2f}"
+        assert span == f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + (" !" if r["spread"] > 1.5 else "")
+        assert ratio == ("" if r["ratio"] is None else f"{r['ratio']:.3g}")
 
 
 @pytest.fixture(scope="module")
@@ -117,23 +129,51 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bench_table_json_and_png(workdir: Path) -> None:
-    proc = run_cli("bench", "--layout", "tiny.json", "--repeats", "1", "--json", "out/bench.json",
-                   "--plot", "out/bench.png", cwd=workdir)
+    # -v after the command: global options are accepted there too.
+    proc = run_cli("bench", "-v", "--layout", "tiny.json", "--repeats", "3", "--json", "out/bench.json",
+                   "--plot", "out/bench.png", "--markdown", "out/bench.md", cwd=workdir)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    assert "gpu_offload: snapshot: 9 tensors" in proc.stderr, "bench -v turns on the debug log"
     assert "tiny-test on cpu: 9 tensors, 0.001 GB" in proc.stdout  # title: layout, device, count, size
     header = next(line for line in proc.stdout.splitlines() if "method" in line)
-    for col in ("method", "dir", "ms", "GB/s", "x limit", "note"):
+    for col in ("method", "dir", "ms", "GB/s", "min-max GB/s", "x limit", "note"):
         assert col in header
     assert "wrote out/bench.json" in proc.stdout and "wrote out/bench.png" in proc.stdout
 
     data = json.loads((workdir / "out/bench.json").read_text())
-    assert set(data) == {"results", "info"}
+    assert {"schema_version", "timestamp", "host", "commit", "torch", "torch_cuda", "driver", "device", "repeats",
+            "results", "info"} <= set(data)
+    assert data["schema_version"] == 2 and data["repeats"] == 3 and data["device"] == "cpu"
+    assert data["torch"] == torch.__version__ and data["timestamp"][:2] == "20"
     assert len(data["results"]) == 1
     res = data["results"][0]
-    check_result(res, layout="tiny-test", num_tensors=TINY_TENSORS, nbytes=TINY_BYTES, scale=1, baselines=True)
+    assert res["dtype"] == "float32"
+    check_result(res, layout="tiny-test", num_tensors=TINY_TENSORS, nbytes=TINY_BYTES, scale=1, baselines=True,
+                 repeats=3)
     check_table(proc.stdout, res)
     assert data["info"]["build"]["version"] == go.__version__
+
+    # Piped (stdout is not a terminal): one line per finished measurement, printed as each one ends, so
+    # all of them come before the tables, in the order of the rows.
+    lines = proc.stdout.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if "tiny-test on cpu" in line)
+    progress = [line for line in lines[:first_table] if line.startswith("tiny-test: ")]
+    assert len(progress) == len(res["rows"]), lines[:first_table]
+    for line, r in zip(progress, res["rows"]):
+        assert line.startswith(f"tiny-test: {r['method']} ({r['direction']}) {r['gbps']:.3g} GB/s median"), line
+        assert f"min-max {r['gbps_min']:.3g}-{r['gbps_max']:.3g} GB/s" in line and "over 3 repeat(s)" in line
+    wide = [r for r in res["rows"] if r["spread"] > 1.5]
+    assert ("warning:" in proc.stdout) == bool(wide)
+
+    # The Markdown table: the command, the commit, and one row per measurement with the same figures.
+    md = (workdir / "out/bench.md").read_text()
+    assert "--layout tiny.json --repeats 3" in md and f"commit {data['commit'] or 'unknown'}" in md
+    md_rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert len(md_rows) == len(res["rows"])
+    for line, r in zip(md_rows, res["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.3g}"], line
 
     png = (workdir / "out/bench.png").read_bytes()
     assert png[:8] == PNG_MAGIC
@@ -142,7 +182,8 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     image = matplotlib.image.imread(workdir / "out/bench.png")
     height, width = image.shape[:2]
     assert image.ndim == 3 and image.shape[2] in (3, 4)
-    assert 300 <= width <= 4000 and 200 <= height <= 4000, image.shape
+    # One figure readable at 100 % on a laptop screen (not a strip of panels 2750 px wide).
+    assert 1000 <= width <= 1600 and 600 <= height <= 1000, image.shape
     assert float(image[..., :3].std()) > 0.01, "the plot is blank"
 
 
@@ -174,9 +215,10 @@ def test_bench_named_layout_scale_dtype_module_entry(workdir: Path) -> None:
 
 
 def test_info(workdir: Path) -> None:
-    env = _env(GPU_OFFLOAD_ARENA_MAX_BYTES=str(1 << 30), GPU_OFFLOAD_MIN_SLAB_BYTES=str(64 << 20),
-               GPU_OFFLOAD_PIN="none")
-    proc = run_cli("info", cwd=workdir, env=env, module=True)
+    # Sizes as people write them, and every variable `info` documents.
+    env = _env(GPU_OFFLOAD_ARENA_MAX_BYTES="1GiB", GPU_OFFLOAD_MIN_SLAB_BYTES="64 MiB", GPU_OFFLOAD_PIN="none",
+               GPU_OFFLOAD_NUM_THREADS="1", GPU_OFFLOAD_GATHER_MAX_BYTES="64KiB")
+    proc = run_cli("info", "-v", cwd=workdir, env=env, module=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     fields = {row[0]: row[1] for row in table_rows(proc.stdout) if len(row) == 2}
@@ -194,6 +236,61 @@ def test_info(workdir: Path) -> None:
     assert fields["arena max_bytes"] == str(1 << 30)
     assert fields["arena min slab"] == "64 MiB"
     assert fields["arena pinning"] == "none"
+    assert fields["host copy threads"] == "1"
+    assert fields["gather max bytes"] == str(64 << 10)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("8589934592", 8 << 30), ("8GiB", 8 << 30), ("8 GiB", 8 << 30), ("8gib", 8 << 30), ("8G", 8 << 30),
+    ("8g", 8 << 30), ("2GB", 2 * 10**9), ("512MiB", 512 << 20), ("1.5KiB", 1536), ("1e9", 10**9), ("0", 0),
+    ("100B", 100), ("4kb", 4000), ("1TiB", 1 << 40)])
+def test_sizes_accept_units(text: str, expected: int) -> None:
+    from gpu_offload._bytes import parse_bytes
+
+    assert parse_bytes(text, "X") == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "8 GiBs", "-1", "GiB", "8 Gi B", "0x10", "1,000"])
+def test_sizes_refuse_the_rest(text: str) -> None:
+    from gpu_offload._bytes import parse_bytes
+
+    with pytest.raises(go.OffloadError, match=r"X=.* is not a number of bytes \(e\.g\. 8589934592, 8GiB"):
+        parse_bytes(text, "X")
+
+
+def test_info_refuses_a_bad_thread_count(workdir: Path) -> None:
+    """GPU_OFFLOAD_NUM_THREADS is read by the core, once per process (so only in a fresh one): anything but a
+    positive integer is refused, by `info` and by the first arena, instead of becoming one thread."""
+    for value in ("abc", "0", "-2", "4x"):
+        proc = run_cli("info", cwd=workdir, env=_env(GPU_OFFLOAD_NUM_THREADS=value), module=True)
+        assert proc.returncode == 2 and proc.stdout == "", (value, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert f"GPU_OFFLOAD_NUM_THREADS='{value}' is not a positive integer" in proc.stderr, proc.stderr
+    code = "import gpu_offload as go\ntry:\n    go.Arena()\nexcept go.OffloadError as e:\n    print('refused:', e)"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(GPU_OFFLOAD_NUM_THREADS="abc"), capture_output=True,
+                          text=True, timeout=TIMEOUT, cwd=workdir)
+    assert proc.stdout.startswith("refused: GPU_OFFLOAD_NUM_THREADS='abc'"), (proc.stdout, proc.stderr)
+
+
+def test_outputs_checked_before_the_run_and_kept(workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """A refused --plot leaves an existing --json file as it was (the check opens it without truncating),
+    and a missing matplotlib is reported before the run, not after it."""
+    from gpu_offload import cli
+
+    monkeypatch.chdir(workdir)
+    for key in [k for k in os.environ if k.startswith("GPU_OFFLOAD_")]:
+        monkeypatch.delenv(key)
+    (workdir / "keep.json").write_text("keep")
+    assert cli.main(["bench", *FAST, "--json", "keep.json", "--plot", "/proc/nosuch/x.png"]) == 2
+    assert (workdir / "keep.json").read_text() == "keep"
+    assert not (workdir / "new.json").exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ModuleNotFoundError
+    assert cli.main(["bench", *FAST, "--json", "new.json", "--plot", "p.png"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "needs matplotlib: pip install 'gpu-offload[plot]'" in captured.err.splitlines()[-1]
+    assert not (workdir / "new.json").exists() and not (workdir / "p.png").exists()
 
 
 # Each bad option: arguments, extra environment, and what the one line on stderr must say. Where the
@@ -215,6 +312,13 @@ BAD_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "zero scale": (("bench", "--scale", "0", *FAST), {}, "--scale must be at least 1"),
     "non-integer repeats": (("bench", "--repeats", "abc"), {}, "invalid int value: 'abc'"),
     "json is a directory": (("bench", "--json", ".", *FAST), {}, "is a directory"),
+    # os.access says yes to root here; only opening the file tells.
+    "json in /proc": (("bench", "--json", "/proc/x.json", *FAST), {}, "--json /proc/x.json: not writable"),
+    "plot in /proc": (("bench", "--plot", "/proc/x.png", *FAST), {}, "--plot /proc/x.png: not writable"),
+    "info bad gather size": (("info",), {"GPU_OFFLOAD_GATHER_MAX_BYTES": "lots"},
+                             "GPU_OFFLOAD_GATHER_MAX_BYTES='lots' is not a number of bytes"),
+    "info bad size unit": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "8 GiBs"}, "is not a number of bytes"),
+    "unknown option after command": (("info", "--frob"), {}, "unrecognized arguments: --frob"),
     "unknown command": (("frob",), {}, "invalid choice: 'frob'"),
     "no command": ((), {}, "required"),
     "unknown option": (("bench", "--frob", *FAST), {}, "unrecognized arguments: --frob"),
@@ -229,7 +333,7 @@ BAD_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
 # these, one of each kind (a layout, a file, the device, argparse, the environment), also through the
 # installed command in a subprocess, where an escaped exception would print a traceback and exit 1.
 SUBPROCESS_CASES = ["unknown layout", "unreadable json", "cuda without gpu", "non-integer repeats",
-                    "info bad pin mode"]
+                    "info bad pin mode", "json in /proc"]
 
 
 def _check_error(case: str, returncode: int, stdout: str, stderr: str) -> None:

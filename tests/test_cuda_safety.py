@@ -477,6 +477,7 @@ def test_gather_sweep_option_parses_byte_lists():
     from gpu_offload import cli
 
     assert cli._byte_list("0,65536, 262144,1048576") == (0, 65536, 262144, 1048576)
-    for bad in ("64k", "-1"):
+    assert cli._byte_list("0,64KiB,256KiB,1MiB") == (0, 65536, 262144, 1048576)
+    for bad in ("64 apples", "-1", "1,x"):
         with pytest.raises(argparse.ArgumentTypeError):
             cli._byte_list(bad)

@@ -57,7 +57,8 @@ def test_arena_cap_is_hard_and_reports_sizes(device):
     arena = go.Arena(max_bytes=4096, min_slab_bytes=4096)
     small = go.snapshot({"a": torch.zeros(512, device=device)}, arena=arena)  # 2 KiB
     used, capacity = arena.used_bytes, arena.capacity_bytes
-    with pytest.raises(go.OffloadError, match=r"arena cap exceeded.*max_bytes 4096 bytes"):
+    with pytest.raises(go.OffloadError, match=r"arena cap exceeded.*max_bytes 4096 bytes.*"
+                       r"the regions in use leave too little room under the cap"):
         go.snapshot({"a": torch.zeros(1024, device=device)}, arena=arena)
     state = {"a": torch.ones(1024, device=device)}
     with pytest.raises(go.OffloadError, match="arena cap exceeded"):
@@ -67,6 +68,24 @@ def test_arena_cap_is_hard_and_reports_sizes(device):
     assert (arena.used_bytes, arena.capacity_bytes) == (used, capacity)
     small.free()
     go.snapshot({"a": torch.zeros(1024, device=device)}, arena=arena).free()  # fits once space is back
+
+
+def test_arena_cap_error_says_why(device):
+    """The reason matches the arena's state: empty (the region is larger than the cap), or enough free bytes
+    split into blocks too small for the region (not "too little room")."""
+    empty = go.Arena(max_bytes=4096, min_slab_bytes=4096)
+    with pytest.raises(go.OffloadError, match="in use 0 bytes.*the region alone is larger than max_bytes"):
+        go.snapshot({"a": torch.zeros(2048, device=device)}, arena=empty)  # 8 KiB
+    align = int(go._C.ARENA_ALIGNMENT)
+    arena = go.Arena(max_bytes=4 * align, min_slab_bytes=4 * align)
+    n = align // 4  # float32 elements in one aligned block
+    snaps = [go.snapshot({"a": torch.zeros(n, device=device)}, arena=arena).wait() for _ in range(4)]
+    snaps[0].free()
+    snaps[2].free()  # two free blocks of one alignment unit each, apart
+    with pytest.raises(go.OffloadError, match=f"enough free bytes in total, but the largest free block is {align} "):
+        go.snapshot({"a": torch.zeros(2 * n, device=device)}, arena=arena)
+    for s in (snaps[1], snaps[3]):
+        s.free()
 
 
 def test_pinning_more_than_the_machine_has_is_refused(arena):

@@ -125,7 +125,10 @@ std::size_t available_host_memory() {
 }
 
 HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
-    : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {}
+    : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {
+  // Every copy goes through an arena: a bad GPU_OFFLOAD_NUM_THREADS is refused here, before any byte moves.
+  ThreadPool::instance();
+}
 
 HostArena::~HostArena() {
   for (auto& [id, slab] : slabs_) {
@@ -244,16 +247,19 @@ std::string HostArena::release_empty_slab(std::map<std::uint64_t, Slab>::iterato
   return {};
 }
 
+// Why a region does not fit under the cap, in the words that point at the remedy.
 std::string HostArena::cap_message(std::size_t size) const {
   std::string why;
+  const std::size_t largest = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
   if (size > max_bytes_) {
     why = "the region alone is larger than max_bytes";
   } else if (used_bytes_ == 0) {
     why = "nothing is in use but empty slabs could not be given back";
+  } else if (max_bytes_ - used_bytes_ >= size) {
+    why = "enough free bytes in total, but the largest free block is " + human(largest) +
+          " (free space is split between slabs and around the regions in use; a region cannot span slabs)";
   } else {
-    const std::size_t largest = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
-    why = "free within the cap: " + human(max_bytes_ - used_bytes_) + ", split between slabs and around the "
-          "regions in use; largest free block " + human(largest) + " (a region cannot span slabs)";
+    why = "the regions in use leave too little room under the cap";
   }
   return "arena cap exceeded: a region of " + human(size) + " does not fit; in use " + human(used_bytes_) +
          ", capacity " + human(capacity_bytes_) + ", max_bytes " + human(max_bytes_) + " (" + why + ")";

@@ -15,7 +15,7 @@ bool compiled();               // this binary was built with CUDA code
 bool available();              // a driver and at least one device answer (cached after the first call)
 int device_count();
 int runtime_version();         // e.g. 13000; 0 without CUDA
-std::string architectures();   // the architectures the kernels were compiled for, e.g. "80-real;90"
+std::string architectures();   // the architectures the kernels were compiled for, e.g. "80-real,90"
 
 // Page-locked host memory, mapped into the device address space and usable from every device.
 void* host_alloc(std::size_t num_bytes);

@@ -6,18 +6,30 @@
 #include <cstdlib>
 #include <string>
 
+#include "errors.hpp"
+
 namespace gpu_offload {
 
+std::size_t ThreadPool::configured_threads() {
+  // GPU_OFFLOAD_NUM_THREADS sets the host threads; default: the cores. Either way at most 16 (memcpy
+  // saturates memory bandwidth well before that). Anything but a positive integer is refused, not read as 1.
+  std::size_t n = std::max(1u, std::thread::hardware_concurrency());
+  if (const char* env = std::getenv("GPU_OFFLOAD_NUM_THREADS"); env != nullptr && *env != '\0') {
+    const std::string value(env);
+    const bool digits = value.size() <= 9 && value.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits || std::stoul(value) < 1) {
+      GO_FAIL("GPU_OFFLOAD_NUM_THREADS='" + value + "' is not a positive integer (the host copy threads, at most 16)");
+    }
+    n = std::stoul(value);
+  }
+  return std::min<std::size_t>(n, 16);
+}
+
 ThreadPool& ThreadPool::instance() {
-  // GPU_OFFLOAD_NUM_THREADS caps the host threads; default: the cores, at most 16 (memcpy saturates
-  // memory bandwidth well before that).
   // Never destroyed: joining workers from a static destructor at process exit races whatever else is
   // shutting down (other libraries' threads, an interpreter tearing down); the OS reclaims them.
-  static ThreadPool* pool = new ThreadPool([] {
-    std::size_t n = std::max(1u, std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("GPU_OFFLOAD_NUM_THREADS")) n = std::max(1L, std::atol(env));
-    return std::min<std::size_t>(n, 16) - 1;
-  }());
+  // A refused GPU_OFFLOAD_NUM_THREADS throws here, before the pool exists; the next call tries again.
+  static ThreadPool* pool = new ThreadPool(configured_threads() - 1);
   return *pool;
 }
 

@@ -14,6 +14,8 @@ namespace gpu_offload {
 class ThreadPool {
  public:
   static ThreadPool& instance();
+  // Threads the pool has (or will have) from GPU_OFFLOAD_NUM_THREADS and the cores; throws on a bad value.
+  static std::size_t configured_threads();
   std::size_t num_threads() const { return workers_.size() + 1; }
   // Runs fn(i) for i in [0, n) spread over the pool and the caller; returns when all are done and
   // rethrows the first exception any shard raised.

@@ -1,7 +1,7 @@
 """Adapters: which (name, tensor) pairs make up a target's device state.
 
 A target is an nn.Module, a torch.optim.Optimizer, a Mapping of tensors (nested mappings and lists
-allowed, e.g. a state dict), or a list/tuple of these. A list is its parts: element i's names get the
+allowed, e.g. a state dict), a bare tensor, or a list/tuple of these. A list is its parts: element i's names get the
 prefix "i.". Strategy wrappers are detected from the objects themselves:
 
 * FSDP1 (FullyShardedDataParallel): each rank's flat-parameter shards (adapters.fsdp);
@@ -118,7 +118,7 @@ def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top:
         raise OffloadError(
             f"unsupported target {type(obj).__module__}.{type(obj).__qualname__}"
             f"{' at ' + prefix.rstrip('.') if prefix else ''}: expected an nn.Module, a torch.optim.Optimizer, "
-            "a Mapping of tensors, or a list/tuple of these"
+            "a Mapping of tensors, a tensor, or a list/tuple of these"
         )
 
 
