@@ -46,7 +46,7 @@ class Offloaded:
 
 
 entries: dict[int, Offloaded] = {}
-# Entries whose storage died: (key, record). Weakref callbacks may run inside any allocation, even while
+# Entries whose storage died: (key, the entry's weakref). Weakref callbacks may run inside any allocation, even while
 # this thread iterates `entries`, so they only append here; the entries are dropped under the lock.
 _dead: list[tuple[int, Offloaded]] = []
 
@@ -76,8 +76,9 @@ lock = _Lock()
 def prune() -> None:
     """Drops the entries of dead storages and releases their regions (call with the lock held)."""
     while _dead:
-        key, record = _dead.pop()
-        if entries.get(key) is record:  # not a new storage that took the same address since
+        key, ref = _dead.pop()
+        record = entries.get(key)
+        if record is not None and record.ref is ref:  # not a new storage that took the same address since
             del entries[key]
             record.region.release(record.events)
 
@@ -85,7 +86,7 @@ def prune() -> None:
 def watch(key: int, storage: torch.UntypedStorage, record: Offloaded) -> None:
     """Adds an entry that is dropped when `storage` dies (torch keeps a storage's Python object alive as
     long as the storage itself, so a weak reference to it dies with the storage)."""
-    record.ref = weakref.ref(storage, lambda _: _dead.append((key, record)))
+    record.ref = weakref.ref(storage, lambda ref: _dead.append((key, ref)))  # no cycle through the record
     entries[key] = record
 
 
@@ -153,7 +154,8 @@ def _holds_offloaded(module: torch.nn.Module) -> bool:
     with lock:
         if not entries:
             return False
-        for t in list(module.parameters()) + list(module.buffers()):
+        # Through nn.Module's own methods: wrappers may shadow them (Megatron's DDP has a `buffers` list).
+        for t in [*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module)]:
             if unwrap(t).untyped_storage()._cdata in entries:
                 return True
     return False
