@@ -6,6 +6,7 @@ Flow: target -> adapters (named tensors) -> storages (layout bound to live stora
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Optional
@@ -258,6 +259,7 @@ def reload(target: Any, *, verify: bool = False) -> None:
                 region = items[0][2].region
                 entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
                 enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)))
+                region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
         except BaseException as exc:
             _undo_reload(records, enqueued)
             needed = sum(r.nbytes for _, _, r in records)
@@ -266,13 +268,11 @@ def reload(target: Any, *, verify: bool = False) -> None:
                                    f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
                                    "offloaded with its data intact, free memory and call reload() again") from exc
             raise
+        # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
+        # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
+        collections.deque(map(_registry.entries.pop, [k for k, _, _ in records]), maxlen=0)
         for items, events in enqueued:
-            region = items[0][2].region
-            region._pending.extend(events)  # first: a region dropped by an interrupt below waits for them
-            for key, _, _ in items:
-                del _registry.entries[key]
-            for _ in items:
-                region.release(events)
+            items[0][2].region.release(events, count=len(items))
     _registry.unguard(target)
     if verify:  # integrity: and the reloaded device data after
         _registry.verify_reloaded([(st, r) for _, st, r in records])

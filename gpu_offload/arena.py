@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -40,21 +41,24 @@ class Region:
     __slots__ = ("arena", "_box", "nbytes", "_users", "_pending")
 
     def __init__(self, arena: "Arena", nbytes: int, users: int = 1) -> None:
+        self._pending: list[Any] = []  # copies known to use the region, for a region freed by the collector
         self.arena = arena
-        self._box: list[int] = []  # the pointer, once allocated (a list so that C code can fill it, see _allocate)
         self.nbytes = nbytes
         self._users = users
-        self._pending: list[Any] = []  # copies known to use the region, for a region freed by the collector
+        self._box: list[int] = []  # the pointer, once allocated (a list so that C code can fill it, see _allocate)
 
     @property
     def ptr(self) -> int:
         return self._box[0]
 
-    def release(self, pending: Sequence[Any] = ()) -> None:
-        """Drops one user; the last one returns the memory once `pending` events have completed."""
+    def release(self, pending: Sequence[Any] = (), count: int = 1) -> None:
+        """Drops one user (or `count`); the last one returns the memory once `pending` events have completed."""
         with self.arena._lock:
-            self._users -= 1
+            self._users -= count
             if self._users > 0:
+                # Kept for the last user: e.g. a freed snapshot's restores, while views still hold it.
+                known = {id(e) for e in self._pending}
+                self._pending.extend(e for e in pending if e is not None and id(e) not in known)
                 return
             self.arena._free_box(self._box, list(self._pending) + list(pending))
 
@@ -84,8 +88,9 @@ class Region:
     def __del__(self) -> None:
         # Owned memory nobody released: hand it back at the arena's next call (not here: a collector
         # run may interrupt the arena's own bookkeeping).
-        if self._users > 0 and self._box:
-            self.arena._orphans.append((self._box, list(self._pending)))
+        box = getattr(self, "_box", None)  # None: interrupted in __init__, before any memory
+        if box:
+            self.arena._orphans.append((box, list(self._pending)))
 
 
 class Arena:
@@ -184,12 +189,21 @@ class Arena:
         return region
 
     def _free_box(self, box: list[int], pending: Sequence[Any]) -> None:
+        """Returns a region's memory (now, or once `pending` copies finished). The pointer leaves the
+        region's box inside C code (map, list.pop), so an interrupt can neither lose it nor free it twice."""
         events = [e for e in pending if e is not None and not e.query()]
         with self._lock:
+            if not box:
+                return
             if events:
-                self._deferred.append((box, events))
-            elif box:
-                self._impl.free(box.pop())  # popped first: an interrupt may leak, never free twice
+                moved: list[int] = []
+                self._deferred.append((moved, events))
+                moved.extend(map(list.pop, [box]))
+            else:
+                self._free_now(box)
+
+    def _free_now(self, box: list[int]) -> None:
+        collections.deque(map(self._impl.free, map(list.pop, [box])), maxlen=0)
 
     def _reap(self, block: bool) -> None:
         with self._lock:
@@ -205,7 +219,7 @@ class Arena:
                         e.synchronize()
                 if all(e.query() for e in events):
                     if box:
-                        self._impl.free(box.pop())
+                        self._free_now(box)
                 else:
                     still.append((box, events))
             self._deferred = still
