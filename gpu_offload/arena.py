@@ -57,8 +57,10 @@ class Region:
             self._users -= count
             if self._users > 0:
                 # Kept for the last user: e.g. a freed snapshot's restores, while views still hold it.
+                # (Completed copies are dropped: a snapshot restored every step keeps no growing list.)
+                self._pending = [e for e in self._pending if not e.query()]
                 known = {id(e) for e in self._pending}
-                self._pending.extend(e for e in pending if e is not None and id(e) not in known)
+                self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
                 return
             self.arena._free_box(self._box, list(self._pending) + list(pending))
 
