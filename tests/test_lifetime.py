@@ -30,6 +30,12 @@ def _values(target: dict[str, torch.Tensor] | torch.nn.Module) -> dict[str, torc
     return {k: v.detach().clone() for k, v in items}
 
 
+def _settle(device: torch.device) -> None:
+    """Waits for copies in flight (on a GPU), so that regions they use can be reused."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _host_address(t: torch.Tensor) -> int:
     """Where an offloaded tensor's storage lies in the arena."""
     with _registry.lock:
@@ -49,6 +55,7 @@ def test_reload_verify_catches_a_flipped_host_byte_and_leaves_everything_as_it_w
     state = {"w": torch.randn(1000, device=device), "b": torch.randn(10, device=device)}
     expected = _values(state)
     go.offload(state, arena=arena, checksum=True)
+    _settle(device)  # the host copy is complete before it is damaged
     byte = ctypes.c_uint8.from_address(_host_address(state["w"]) + 123)
     byte.value ^= 0x10
     with pytest.raises(go.OffloadError, match=r"corrupt.*storage 0 \(w,"):
@@ -59,6 +66,7 @@ def test_reload_verify_catches_a_flipped_host_byte_and_leaves_everything_as_it_w
     go.reload(state, verify=True)
     for k, v in expected.items():
         assert_bitwise_equal(state[k], v)
+    _settle(device)
     assert arena.used_bytes == 0
 
 
@@ -99,6 +107,7 @@ def test_discard_of_a_list_target_and_of_a_part_of_it(device, arena):
     assert go.offloaded_bytes() == 400
     go.reload(c)
     assert_bitwise_equal(c["x"], expected_c["x"])
+    _settle(device)
     assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
 
 
@@ -117,6 +126,7 @@ def test_a_dropped_offloaded_model_returns_its_bytes(device, arena):
     assert go.offloaded_bytes() > 0 and arena.used_bytes > 0
     del model, opt
     gc.collect()
+    _settle(device)
     assert go.offloaded_bytes() == 0
     assert arena.used_bytes == 0
 
@@ -129,6 +139,7 @@ def test_a_parameter_replaced_while_offloaded_leaves_the_registry(device, arena)
     gc.collect()
     assert go.offloaded_bytes() == before - 32 * 16 * 4
     go.discard(model)
+    _settle(device)
     assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
 
 
