@@ -14,7 +14,7 @@ from typing import Any
 from ._errors import LayoutMismatchError, OffloadError
 from ._ext import _C
 from ._version import __version__
-from .api import is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
+from .api import discard, is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
 from .arena import Arena, default_arena
 from .persist import load, save
 from .snapshot import Snapshot
@@ -28,6 +28,7 @@ __all__ = [
     "build_info",
     "cuda_available",
     "default_arena",
+    "discard",
     "is_offloaded",
     "join",
     "load",

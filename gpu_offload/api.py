@@ -6,6 +6,7 @@ Flow: target -> adapters (named tensors) -> storages (layout bound to live stora
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Optional
@@ -105,17 +106,18 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
                            "overlap=False, or without include_grads")
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
-    resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
-    layout = resolved.layout
-    plans = resolved.plan.copies()
-    region = arena._allocate(layout.host_bytes)
-    try:
-        # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
-        sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
-        events = plans.run(True, region.ptr, stream_waits=not overlap)
-    except BaseException as exc:
-        region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
-        raise
+    with _registry.lock:  # an offload in another thread cannot release the storages under the copy
+        resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
+        layout = resolved.layout
+        plans = resolved.plan.copies()
+        region = arena._allocate(layout.host_bytes)
+        try:
+            # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
+            sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
+            events = plans.run(True, region.ptr, stream_waits=not overlap)
+        except BaseException as exc:
+            region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
+            raise
     if overlap and events:
         try:
             # Later work does not wait for the copy: keep the sources alive until it has read them, and
@@ -126,7 +128,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             region.release(events)
             raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
-    snap = Snapshot(layout, region, events, sums)
+    snap = Snapshot(layout, region, events, sums, include_grads=include_grads)
     snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
     return snap
 
@@ -149,25 +151,35 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
-    region = snap._live()
-    resolved = _resolve_live(target, snap.layout.has_grads, "restore")
-    layout = resolved.layout
-    mapping = match(snap.layout, layout)
-    plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
+    snap._live()
     expected: Optional[list[int]] = None
     if verify:  # integrity: the host copy is checked before anything moves
         expected = snap.checksums
         if expected is None:
             raise OffloadError("restore(verify=True) needs a snapshot with checksums: take it with "
                                "snapshot(..., checksum=True)")
-        snap.verify()
-    # Ordered after the snapshot's own copy (on the GPU) and kept alive until the restore has read it.
-    try:
-        events = plans.run(False, region.ptr, waits=snap._pending())
-    except BaseException as exc:
-        snap._add_events(_plan.enqueued(exc))  # copies another device enqueued still read the region
-        raise
-    snap._add_events(events)
+    with _registry.lock:  # an offload in another thread cannot release the storages under the copy
+        resolved = _resolve_live(target, snap.include_grads, "restore")
+        layout = resolved.layout
+        mapping = match(snap.layout, layout)
+        plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
+        if verify:
+            snap.verify()
+        # Ordered after the snapshot's own copy (on the GPU); the region has a user of its own for the copy,
+        # so a free() from another thread cannot return it to the arena under the copy.
+        region = snap._use()
+        events: list[Any] = []
+        try:
+            events = plans.run(False, region.ptr, waits=snap._pending())
+        except BaseException as exc:
+            events = _plan.enqueued(exc)  # copies another device enqueued still read the region
+            raise
+        finally:
+            snap._add_events(events)
+            region.release(events)
+        # Autograd sees the in-place change, as with torch's own copy_: a backward through activations
+        # saved before the restore raises instead of computing wrong gradients.
+        torch.autograd.graph.increment_version(resolved.tensors)
     if expected is not None:  # integrity: and the restored device data after
         _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
                                    expected if mapping is None else [expected[i] for i in mapping],
@@ -175,13 +187,20 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
     _log_rate("restore", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
-def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = False, arena: Optional[Arena] = None) -> None:
+def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = False, arena: Optional[Arena] = None,
+            checksum: bool = False) -> None:
     """Moves the target's device state into pinned host memory and frees the device memory.
 
     Each storage is copied, then released (`untyped_storage().resize_(0)`); tensors keep their identity,
     shape and views, and hold no memory until `reload`. On CUDA, `torch.cuda.empty_cache()` then returns
     the memory to the driver unless `empty_cache=False`. Gradients stay where they are unless
     `include_grads=True` (set them to None first to drop them, as most trainers do before offloading).
+
+    With `checksum=True` a checksum of every storage is taken from the source as it is copied out (the
+    same sums as `snapshot(..., checksum=True)`), for `reload(..., verify=True)`.
+
+    Calling an offloaded module (its forward) raises OffloadError until it is reloaded. Dropping an
+    offloaded target (the last reference to its tensors) returns its host memory to the arena.
 
     Raises:
         OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
@@ -204,19 +223,23 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         plans = resolved.plan.copies()
         region = arena._allocate(layout.host_bytes, users=len(live))
         try:
+            sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
             events = plans.run(True, region.ptr)
         except BaseException as exc:
-            region.arena._free(region.ptr, _plan.enqueued(exc))  # after copies other devices enqueued
+            region.release_all(_plan.enqueued(exc))  # after copies other devices enqueued
             raise
         try:
-            for key, spec, storage in live:
-                _registry.entries[key] = _Offloaded(storage, spec.nbytes, spec.device, region, spec.host_offset, events)
+            indices = [i for i, spec in enumerate(layout.storages) if spec.nbytes]
+            for (key, spec, storage), index in zip(live, indices):
+                _registry.watch(key, storage, _Offloaded(spec.nbytes, spec.device, region, spec.host_offset, events,
+                                                         checksums=sums, index=index, name=spec.name))
             # The copies are enqueued before the memory is released and the current stream waits for them;
             # the allocator is told too (it would otherwise hand a block back to the stream that allocated
             # it, which need not be the current one), so no block is reused before it has been read.
             _plan.mark_in_use(_first_views(resolved), to_host=True)
             for _, _, storage in live:
                 storage.resize_(0)
+            _registry.guard(target)  # calling an offloaded module raises a clear error
         except BaseException:
             _undo_offload(live, region, events)  # exception safety: the target is left as it was
             raise
@@ -225,13 +248,19 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
     _log_rate("offload", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
-def reload(target: Any) -> None:
+def reload(target: Any, *, verify: bool = False) -> None:
     """Brings an offloaded target back: the same storages are re-allocated and refilled in place, so every
     parameter, view and optimizer reference stays valid.
 
+    With `verify=True` (the offload must have been taken with `checksum=True`) the host copy is checked
+    before anything is copied back, and the reloaded device data after the copy (on a GPU this waits
+    for it).
+
     Raises:
         OffloadError: nothing in the target is offloaded, or the device is out of memory (then the target
-            stays offloaded with its data intact, and a retry after freeing memory succeeds).
+            stays offloaded with its data intact, and a retry after freeing memory succeeds); with verify,
+            a corrupt host copy (named in the message; nothing is written and the target stays offloaded
+            with its host copy as it is) or reloaded data that differs from the source.
     """
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
@@ -242,6 +271,8 @@ def reload(target: Any) -> None:
         layout = bound.layout
         if not records:
             raise OffloadError("cannot reload: nothing in the target is offloaded")
+        if verify:  # integrity: the host copy is checked before anything moves
+            _registry.verify_host([r for _, _, r in records])
         # Exception safety: nothing is committed (registry, regions) until every storage is allocated and
         # every copy enqueued; an error or interrupt before that frees what was allocated, and the target
         # stays offloaded with its data intact.
@@ -258,11 +289,14 @@ def reload(target: Any) -> None:
                 region = items[0][2].region
                 entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
                 try:
-                    events = _plan.build_copies(entries).run(False, region.ptr, waits=items[0][2].events)
+                    # One step (the append takes run's result directly): an interrupt cannot lose the events.
+                    enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr,
+                                                                             waits=items[0][2].events)))
                 except BaseException as exc:
                     enqueued.append((items, _plan.enqueued(exc)))  # other devices' copies, still running
+                    region._pending.extend(enqueued[-1][1])
                     raise
-                enqueued.append((items, events))
+                region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
         except BaseException as exc:
             _undo_reload(records, enqueued)
             needed = sum(r.nbytes for _, _, r in records)
@@ -271,16 +305,41 @@ def reload(target: Any) -> None:
                                    f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
                                    "offloaded with its data intact, free memory and call reload() again") from exc
             raise
+        # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
+        # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
+        collections.deque(map(_registry.entries.pop, [k for k, _, _ in records]), maxlen=0)
         for items, events in enqueued:
-            region = items[0][2].region
-            for key, _, _ in items:
-                del _registry.entries[key]
-            for _ in items:
-                region.release(events)
+            items[0][2].region.release(events, count=len(items))
+    _registry.unguard(target)
+    if verify:  # integrity: and the reloaded device data after
+        _registry.verify_reloaded([(st, r) for _, st, r in records])
     # The storages are live again at new addresses: remember the target's plan so that the next call on
     # it (a snapshot or the next offload) needs no fresh bind.
     _plan.remember(named, bound, shard_info=lambda: shard_info(target))
     _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(layout.tensors), len(records), True)
+
+
+def discard(target: Any) -> None:
+    """Drops the offloaded state of a target without bringing it back: its host bytes return to the arena
+    and its storages stay empty (allocate new tensors, or load a snapshot into a rebuilt model).
+    Afterwards `is_offloaded(target)` is False and `reload(target)` raises.
+
+    Raises:
+        OffloadError: nothing in the target is offloaded.
+    """
+    named = named_tensors(target, include_grads=True, reshard=False)
+    with _registry.lock:
+        bound = bind(named, _registry.sizes())
+        keys = [k for k in bound.keys if k in _registry.entries]
+        if not keys:
+            raise OffloadError("cannot discard: nothing in the target is offloaded")
+        nbytes = 0
+        for key in keys:
+            record = _registry.entries.pop(key)
+            record.region.release(record.events)
+            nbytes += record.nbytes
+    _registry.unguard(target)
+    logger.debug("discard: %d storages, %d bytes", len(keys), nbytes)
 
 
 # -- exception safety: undoing a half-done offload or reload ----------------------------------------------
@@ -348,9 +407,9 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
         try:
             back = _plan.build_copies(entries).run(False, region.ptr, waits=events)
         except BaseException as exc:
-            region.arena._free(region.ptr, list(events) + _plan.enqueued(exc))
+            region.release_all(list(events) + _plan.enqueued(exc))
             raise
-    region.arena._free(region.ptr, list(events) + back)
+    region.release_all(list(events) + back)
     logger.debug("offload interrupted: %d released storages put back", len(released))
 
 

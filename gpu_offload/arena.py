@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -31,24 +32,52 @@ class Region:
     """A block of arena memory shared by the storages of one snapshot or one offload.
 
     Released when its last user lets go; copies still reading or writing it (their events) are waited
-    for lazily, so releasing never blocks the caller.
+    for lazily, so releasing never blocks the caller. The region owns its memory from the moment the
+    arena hands it out: one dropped without being released (an interrupt between the allocation and the
+    code that would release it) returns its memory when it is garbage collected.
     """
 
-    __slots__ = ("arena", "ptr", "nbytes", "_users")
+    __slots__ = ("arena", "_box", "nbytes", "_users", "_pending")
 
-    def __init__(self, arena: "Arena", ptr: int, nbytes: int, users: int = 1) -> None:
+    def __init__(self, arena: "Arena", nbytes: int, users: int = 1) -> None:
+        self._pending: list[Any] = []  # copies known to use the region, for a region freed by the collector
         self.arena = arena
-        self.ptr = ptr
         self.nbytes = nbytes
         self._users = users
+        self._box: list[int] = []  # the pointer, once allocated (a list so that C code can fill it, see _allocate)
 
-    def release(self, pending: Sequence[Any] = ()) -> None:
-        """Drops one user; the last one returns the memory once `pending` events have completed."""
+    @property
+    def ptr(self) -> int:
+        return self._box[0]
+
+    def release(self, pending: Sequence[Any] = (), count: int = 1) -> None:
+        """Drops one user (or `count`); the last one returns the memory once `pending` events have completed."""
         with self.arena._lock:
-            self._users -= 1
+            self._users -= count
             if self._users > 0:
+                # Kept for the last user: e.g. a freed snapshot's restores, while views still hold it.
+                # (Completed copies are dropped: a snapshot restored every step keeps no growing list.)
+                self._pending = [e for e in self._pending if not e.query()]
+                known = {id(e) for e in self._pending}
+                self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
                 return
-        self.arena._free(self.ptr, pending)
+            self.arena._free_box(self._box, list(self._pending) + list(pending))
+
+    def release_all(self, pending: Sequence[Any] = ()) -> None:
+        """Returns the memory whatever the number of users (a failed offload gives its region back)."""
+        with self.arena._lock:
+            if self._users <= 0:
+                return
+            self._users = 0
+            self.arena._free_box(self._box, list(self._pending) + list(pending))
+
+    def acquire(self) -> bool:
+        """Adds a user (a copy about to read the region, views over it); False once it was released."""
+        with self.arena._lock:
+            if self._users <= 0:
+                return False
+            self._users += 1
+            return True
 
     def buffer(self, owner: object) -> Any:
         """A writable buffer over the region that keeps `owner` alive while anything (e.g. a tensor made
@@ -56,6 +85,13 @@ class Region:
         buf = (ctypes.c_char * self.nbytes).from_address(self.ptr)
         buf._owner = owner  # type: ignore[attr-defined]
         return buf
+
+    def __del__(self) -> None:
+        # Owned memory nobody released: hand it back at the arena's next call (not here: a collector
+        # run may interrupt the arena's own bookkeeping).
+        box = getattr(self, "_box", None)  # None: interrupted in __init__, before any memory
+        if box:
+            self.arena._orphans.append((box, list(self._pending)))
 
 
 class Arena:
@@ -86,7 +122,8 @@ class Arena:
             min_slab_bytes = min(min_slab_bytes, max_bytes)
         self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
         self._lock = threading.RLock()
-        self._deferred: list[tuple[int, list[Any]]] = []  # regions waiting for their copies to finish
+        self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
+        self._orphans: list[tuple[list[int], list[Any]]] = []  # regions dropped unreleased (Region.__del__)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -138,37 +175,54 @@ class Arena:
     # -- used by the engine ---------------------------------------------------------------------------
     def _allocate(self, num_bytes: int, users: int = 1) -> Region:
         self._reap(block=False)
+        # The region exists before its memory: C code (map, extend) stores the pointer in it, so no
+        # interrupt can fall between the allocation and its owner (the allocation releases the GIL, and
+        # a signal handler runs as soon as it returns).
+        region = Region(self, num_bytes, users)
         try:
-            ptr = self._impl.allocate(num_bytes)
+            region._box.extend(map(self._impl.allocate, (num_bytes,)))
         except OffloadError:
             # Regions still waiting on in-flight copies may be what stands in the way: wait, then retry.
-            if not self._deferred:
+            if not self._deferred and not self._orphans:
                 raise
             self._reap(block=True)
-            ptr = self._impl.allocate(num_bytes)
-        return Region(self, ptr, num_bytes, users)
+            region._box.extend(map(self._impl.allocate, (num_bytes,)))
+        return region
 
-    def _free(self, ptr: int, pending: Sequence[Any]) -> None:
+    def _free_box(self, box: list[int], pending: Sequence[Any]) -> None:
+        """Returns a region's memory (now, or once `pending` copies finished). The pointer leaves the
+        region's box inside C code (map, list.pop), so an interrupt can neither lose it nor free it twice."""
         events = [e for e in pending if e is not None and not e.query()]
         with self._lock:
+            if not box:
+                return
             if events:
-                self._deferred.append((ptr, events))
+                moved: list[int] = []
+                self._deferred.append((moved, events))
+                moved.extend(map(list.pop, [box]))
             else:
-                self._impl.free(ptr)
+                self._free_now(box)
+
+    def _free_now(self, box: list[int]) -> None:
+        collections.deque(map(self._impl.free, map(list.pop, [box])), maxlen=0)
 
     def _reap(self, block: bool) -> None:
         with self._lock:
+            while self._orphans:
+                box, events = self._orphans.pop()
+                self._free_box(box, events)
             if not self._deferred:
                 return
-            still: list[tuple[int, list[Any]]] = []
-            for ptr, events in self._deferred:
+            still: list[tuple[list[int], list[Any]]] = []
+            for box, events in self._deferred:
                 if block:
                     for e in events:
                         e.synchronize()
                 if all(e.query() for e in events):
-                    self._impl.free(ptr)
+                    if box:
+                        self._free_now(box)
                 else:
-                    still.append((ptr, events))
+                    still.append((box, events))
             self._deferred = still
 
 

@@ -65,8 +65,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layout_json(layout: Layout, checksums: list[int], source: str) -> str:
+def _layout_json(layout: Layout, checksums: list[int], source: str, include_grads: Optional[bool]) -> str:
     return json.dumps({
+        # Whether the snapshot holds gradients (restore writes them too); absent in older files, where
+        # it is guessed from the names as before.
+        **({} if include_grads is None else {"include_grads": include_grads}),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "checksum_source": source,
         "tensors": [{"name": t.name, "storage": t.storage, "offset": t.offset, "shape": list(t.shape),
@@ -172,7 +175,17 @@ def save(snap: Snapshot, path: PathLike) -> None:
     """
     start = time.perf_counter()
     path = os.fspath(path)
-    region = snap._live()
+    region = snap._use()  # a free() (and trim()) from another thread cannot take the memory while it is written
+    try:
+        _write(snap, region, path)
+    finally:
+        region.release()
+    logger.debug("saved %d storages, %d bytes to %s in %.3f s", len(snap.layout.storages), snap.layout.nbytes,
+                 path, time.perf_counter() - start)
+
+
+def _write(snap: Snapshot, region: Any, path: str) -> None:
+    """save() once the region has a user of its own: checks, the temporary file, the rename."""
     snap.wait()
     layout = snap.layout
     checksums = snap.checksums
@@ -183,7 +196,7 @@ def save(snap: Snapshot, path: PathLike) -> None:
         checksums = _integrity.host_checksums(layout, region.ptr)
         source = "host copy"
     _check_destination(path)
-    text = _layout_json(layout, checksums, source)
+    text = _layout_json(layout, checksums, source, snap._include_grads)
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "package_version": __version__,
                 "layout": text, "layout_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
     head = _header_bytes(layout, metadata)
@@ -209,8 +222,6 @@ def save(snap: Snapshot, path: PathLike) -> None:
     finally:
         view.release()
     _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)  # and so is the rename
-    logger.debug("saved %d storages, %d bytes to %s in %.3f s", len(layout.storages), layout.nbytes, path,
-                 time.perf_counter() - start)
 
 
 # -- load ----------------------------------------------------------------------------------------------
@@ -270,8 +281,9 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
-def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
-    """Layout and checksums from the metadata's JSON; host offsets laid out afresh as bind() does."""
+def _parse_layout(text: Any) -> tuple[Layout, list[int], Optional[bool]]:
+    """Layout, checksums and include_grads (None where the file does not say) from the metadata's JSON;
+    host offsets laid out afresh as bind() does."""
     if not isinstance(text, str):
         raise ValueError("no layout")
     doc = _json(text)
@@ -330,7 +342,10 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int]]:
         if not isinstance(shard_info, str):
             raise ValueError("shard_info is not a string")
         _json(shard_info)  # must parse: restore compares it field by field
-    return Layout(tuple(tensors), tuple(storages), host, shard_info), checksums
+    include_grads = doc.get("include_grads")
+    if include_grads is not None and not isinstance(include_grads, bool):
+        raise ValueError(f"include_grads {include_grads!r} is not true or false")
+    return Layout(tuple(tensors), tuple(storages), host, shard_info), checksums, include_grads
 
 
 def _check_entries(path: str, header: dict[str, Any], layout: Layout, size: int, data_start: int) -> list[int]:
@@ -429,7 +444,7 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
         meta = header.get("__metadata__")
         _check_format(path, meta)
         try:
-            layout, checksums = _parse_layout(meta.get("layout"))
+            layout, checksums, include_grads = _parse_layout(meta.get("layout"))
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
             raise _bad(path, f"corrupt layout in the metadata ({type(exc).__name__}: {exc})") from None
         starts = _check_entries(path, header, layout, size, data_start)
@@ -449,7 +464,7 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
             raise
     logger.debug("loaded %d storages, %d bytes from %s in %.3f s", len(layout.storages), layout.nbytes, path,
                  time.perf_counter() - start)
-    return Snapshot(layout, region, [], _integrity.Checksums(list(checksums)))
+    return Snapshot(layout, region, [], _integrity.Checksums(list(checksums)), include_grads=include_grads)
 
 
 def _read_into(f: Any, path: str, layout: Layout, region: Any, places: list[int]) -> None:

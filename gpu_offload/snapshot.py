@@ -26,12 +26,15 @@ class Snapshot:
     _dtensor_specs: Optional[dict[str, Any]] = None
 
     def __init__(self, layout: Layout, region: Region, events: list[Any],
-                 checksums: Optional[_integrity.Checksums] = None) -> None:
+                 checksums: Optional[_integrity.Checksums] = None, include_grads: Optional[bool] = None) -> None:
         self._layout = layout
         self._region: Optional[Region] = region
         self._events = events  # copies writing the region (the snapshot) and reading it (restores)
         self._lock = threading.Lock()
         self._checksums = checksums  # taken from the source (snapshot(checksum=True)) or read from a file
+        # Whether the snapshot holds gradients, as asked (None: unknown, e.g. a file that did not record it;
+        # then guessed from the names).
+        self._include_grads = include_grads
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -56,6 +59,11 @@ class Snapshot:
         return [t.name for t in self._layout.tensors]
 
     @property
+    def include_grads(self) -> bool:
+        """Whether the snapshot was taken with include_grads=True (restore then writes gradients too)."""
+        return self._layout.has_grads if self._include_grads is None else self._include_grads
+
+    @property
     def arena(self) -> Arena:
         return self._live().arena
 
@@ -66,6 +74,15 @@ class Snapshot:
     def _live(self) -> Region:
         region = self._region
         if region is None:
+            raise OffloadError("this snapshot was freed; it can no longer be used")
+        return region
+
+    def _use(self) -> Region:
+        """The region with one more user, for a copy about to read it: a free() from another thread
+        meanwhile only drops the snapshot's own user, so the memory outlives the copy. The caller
+        releases it (with the copy's events)."""
+        region = self._live()
+        if not region.acquire():
             raise OffloadError("this snapshot was freed; it can no longer be used")
         return region
 
@@ -102,11 +119,13 @@ class Snapshot:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The snapshot's tensors as CPU tensors viewing the arena memory (after waiting for the copy).
 
-        They alias the snapshot: valid until free(), and writing to them changes the snapshot.
+        They alias the snapshot (writing to them changes it) and keep its memory alive: the arena space
+        returns to the arena when the snapshot is freed (or dropped) *and* the last of these views is gone,
+        so a view never shows another snapshot's bytes. Hold them only as long as needed.
         """
-        region = self._live()
         self.wait()
-        view = region.buffer(owner=self)
+        region = self._use()
+        view = region.buffer(owner=_ViewLease(region))
         bases: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for spec in self._layout.tensors:
@@ -163,12 +182,16 @@ class Snapshot:
             OffloadError: a storage's host copy differs from its source (named in the message), the
                 snapshot has no checksums, or it was freed.
         """
-        region = self._live()
+        self._live()
         expected = self.checksums
         if expected is None:
             raise OffloadError("this snapshot has no checksums to verify: take it with snapshot(..., checksum=True)")
         self.wait()
-        _integrity.verify_host(self._layout, region.ptr, expected)
+        region = self._use()
+        try:
+            _integrity.verify_host(self._layout, region.ptr, expected)
+        finally:
+            region.release()
         return self
 
     def __del__(self) -> None:
@@ -188,3 +211,16 @@ class Snapshot:
         state = "freed" if self._region is None else ("done" if all(e.query() for e in self._pending()) else "in flight")
         return (f"Snapshot({self.num_tensors} tensors, {self.num_storages} storages, {self.nbytes} bytes, "
                 f"devices={[str(d) for d in self._layout.devices]}, {state})")
+
+
+class _ViewLease:
+    """One user of a region, held by the buffer under the views that tensors() returns; released when
+    the last of them is gone."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+
+    def __del__(self) -> None:
+        self.region.release()

@@ -289,3 +289,18 @@ def test_restore_refuses_another_ranks_or_world_sizes_shards(kind: str, tmp_path
     # A world-size-1 target restoring a world-size-2 shard file (saved above at rank 0).
     (message,) = run_ranks(_save_then_restore_elsewhere, 1, kind, str(tmp_path), 2)
     assert "differs" in message, message
+
+
+def _check_forward_guard(rank: int, world_size: int, kind: str) -> None:
+    model, opt = _make(kind, world_size)
+    want = _probe(model)
+    go.offload([model, opt])
+    with pytest.raises(go.OffloadError, match=r"offloaded; call gpu_offload\.reload\(\)"):
+        _probe(model)
+    go.reload([model, opt])
+    assert torch.equal(_probe(model), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_calling_an_offloaded_fsdp_model_says_to_reload(kind: str) -> None:
+    run_ranks(_check_forward_guard, 1, kind)

@@ -224,4 +224,5 @@ def test_tensors_replaced_between_snapshot_and_restore(device, data):
             assert torch.equal(_flat_bytes(got), _flat_bytes(want)), name
     assert arena.used_bytes == used
     snap.free()
+    values = want = None  # the views taken above keep the memory alive until they are gone
     assert arena.used_bytes == 0

@@ -264,3 +264,14 @@ def test_detection_never_imports_megatron():
         "assert not any(k.startswith('megatron') for k in sys.modules), 'megatron was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_calling_an_offloaded_megatron_ddp_chunk_says_to_reload(megatron_world):
+    chunks, opt = _make(False, False)
+    want = logits(chunks)
+    go.offload([*chunks, opt])
+    with pytest.raises(go.OffloadError, match=r"cannot run DistributedDataParallel.*gpu_offload\.reload\(\)"):
+        logits(chunks)
+    go.reload([*chunks, opt])
+    for a, b in zip(logits(chunks), want):
+        assert torch.equal(a, b)

@@ -82,6 +82,7 @@ def test_round_trip_restores_bitwise_into_a_twin(device, tmp_path, arena):
     for k, v in loaded.tensors().items():
         assert_bitwise_equal(v.to(device), expected[k])
     snap.free()
+    del v  # views keep their snapshot's memory alive
     twin_base = torch.zeros(3000, device=device)
     twin = {k: torch.zeros_like(v) for k, v in state.items() if k not in ("base", "view")}
     twin.update(base=twin_base, view=twin_base[100:200].view(10, 10).t())
@@ -238,6 +239,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_file_loadable(tmp_p
         w = loaded.tensors()["w"]
         assert w.numel() == 16 << 20 and bool((w == w[0]).all())
         loaded.free()
+        del w  # views keep their snapshot's memory alive
         for n in temporaries:
             _age(tmp_path / n)
         again = go.load(path, arena=arena)
