@@ -71,6 +71,11 @@ class Region:
             self._users = 0
             self.arena._free_box(self._box, list(self._pending) + list(pending))
 
+    @property
+    def in_use(self) -> bool:
+        """True until the last user has released the region."""
+        return self._users > 0
+
     def acquire(self) -> bool:
         """Adds a user (a copy about to read the region, views over it); False once it was released."""
         with self.arena._lock:

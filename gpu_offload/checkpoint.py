@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,8 +34,7 @@ import torch
 
 from . import api
 from ._errors import OffloadError
-from .arena import Arena, default_arena
-from .snapshot import Snapshot
+from .arena import Arena, Region, default_arena
 from .storages import PLAIN_TENSOR_TYPES
 
 try:
@@ -131,7 +129,9 @@ class ArenaStager(AsyncStager):
         self._synchronize_after_execute = False
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []  # overlapped stages not yet complete (futures; weakly held results)
-        self._staged: "weakref.WeakSet[Snapshot]" = weakref.WeakSet()  # regions still held by staged dicts
+        # The regions of this stager's stages, with their payload bytes: a staged dict's views hold its
+        # region (not the Snapshot object), so a region in use is a staged dict still referenced.
+        self._staged: list[tuple[Region, int]] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -155,7 +155,8 @@ class ArenaStager(AsyncStager):
             snap = api.snapshot(tensors, arena=self.arena, overlap=self._overlap)
         except OffloadError as exc:
             raise OffloadError(f"ArenaStager: cannot stage the state dict ({len(tensors)} tensors): {exc}") from exc
-        self._staged.add(snap)
+        with self._lock:
+            self._staged = [(r, n) for r, n in self._staged if r.in_use] + [(snap._live(), snap.nbytes)]
         logger.debug("ArenaStager: staged %d tensors, %d storages, %d bytes", snap.num_tensors, snap.num_storages,
                      snap.nbytes)
         if not self._overlap:
@@ -194,7 +195,8 @@ class ArenaStager(AsyncStager):
     @property
     def staged_bytes(self) -> int:
         """Payload bytes of the staged state dicts that are still referenced (by DCP or by the caller)."""
-        return sum(s.nbytes for s in list(self._staged) if not s.freed)
+        with self._lock:
+            return sum(n for r, n in self._staged if r.in_use)
 
     def __enter__(self) -> "ArenaStager":
         return self
