@@ -23,6 +23,7 @@ import torch
 from . import api
 from ._errors import OffloadError
 from .arena import Arena
+from .snapshot import Snapshot
 
 logger = logging.getLogger("gpu_offload")
 
@@ -249,6 +250,28 @@ class Bench:
         return row
 
 
+class _HeldSnapshot:
+    """The snapshot a timed restore reads: `take` snapshots (the previous one freed by `free`, the setup
+    of each timed call, so that the arena is reused rather than grown)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], arena: Arena) -> None:
+        self.tensors, self.arena = tensors, arena
+        self.snap: Optional[Snapshot] = None
+
+    def take(self) -> None:
+        self.snap = api.snapshot(self.tensors, arena=self.arena).wait()
+
+    def free(self) -> None:
+        if self.snap is not None:
+            self.snap.free()
+            self.snap = None
+
+    def restore(self) -> None:
+        if self.snap is None:
+            raise RuntimeError("_HeldSnapshot.restore() before take()")
+        api.restore(self.tensors, self.snap)
+
+
 def measure_limits(b: Bench) -> list[Row]:
     """The limit: one contiguous copy of the same bytes, each way."""
     note = "one contiguous copy of the same bytes" + (" (pinned)" if b.pinned else "")
@@ -264,14 +287,7 @@ def measure_limits(b: Bench) -> list[Row]:
 def measure_engine(b: Bench) -> list[Row]:
     """The engine, on a warm arena (first cycle pins; steady state is what a training loop sees)."""
     tensors, arena = b.tensors, b.arena
-    holder: dict[str, Any] = {}
-
-    def snap() -> None:
-        holder["snap"] = api.snapshot(tensors, arena=arena).wait()
-
-    def free_snap() -> None:
-        if "snap" in holder:
-            holder.pop("snap").free()
+    held = _HeldSnapshot(tensors, arena)
 
     def ensure_resident() -> None:
         if api.is_offloaded(tensors):
@@ -281,9 +297,9 @@ def measure_engine(b: Bench) -> list[Row]:
         if not api.is_offloaded(tensors):
             api.offload(tensors, arena=arena)
 
-    rows = [b.measure("gpu_offload.snapshot+wait", "d2h", snap, setup=free_snap),
-            b.measure("gpu_offload.restore", "h2d", lambda: api.restore(tensors, holder["snap"]))]
-    free_snap()
+    rows = [b.measure("gpu_offload.snapshot+wait", "d2h", held.take, setup=held.free),
+            b.measure("gpu_offload.restore", "h2d", held.restore)]
+    held.free()
     rows.append(b.measure("gpu_offload.offload", "d2h", lambda: api.offload(tensors, arena=arena),
                           setup=ensure_resident, note="empty_cache included"))
     rows.append(b.measure("gpu_offload.reload", "h2d", lambda: api.reload(tensors), setup=ensure_offloaded))
@@ -477,21 +493,12 @@ def gather_sweep(thresholds: Sequence[int]) -> Callable[[Bench], list[Row]]:
             for limit in thresholds:
                 os.environ["GPU_OFFLOAD_GATHER_MAX_BYTES"] = str(int(limit))
                 _plan.clear_cache()  # plans read the threshold when they are built
-                holder: dict[str, Any] = {}
-
-                def snap() -> None:
-                    holder["snap"] = api.snapshot(tensors, arena=arena).wait()
-
-                def free_snap() -> None:
-                    if "snap" in holder:
-                        holder.pop("snap").free()
-
+                held = _HeldSnapshot(tensors, arena)
                 note = f"GPU_OFFLOAD_GATHER_MAX_BYTES={int(limit)}"
-                rows.append(b.measure(f"snapshot+wait, gather<={int(limit)}", "d2h", snap, setup=free_snap,
+                rows.append(b.measure(f"snapshot+wait, gather<={int(limit)}", "d2h", held.take, setup=held.free,
                                       note=note))
-                rows.append(b.measure(f"restore, gather<={int(limit)}", "h2d",
-                                      lambda: api.restore(tensors, holder["snap"]), note=note))
-                free_snap()
+                rows.append(b.measure(f"restore, gather<={int(limit)}", "h2d", held.restore, note=note))
+                held.free()
         finally:
             if before is None:
                 os.environ.pop("GPU_OFFLOAD_GATHER_MAX_BYTES", None)
