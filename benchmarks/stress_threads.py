@@ -32,7 +32,7 @@ def _same(tensors: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
 
 
 def _worker(index: int, seconds: float, device: torch.device, width: int, depth: int, arena: go.Arena,
-            barrier: threading.Barrier, report: dict[str, Any]) -> None:
+            barrier: threading.Barrier, report: dict[str, Any], min_steps: int = 0) -> None:
     torch.manual_seed(index)
     # Different models per thread: other widths, so their layouts (and cached plans) differ.
     w = width + 16 * index
@@ -45,7 +45,7 @@ def _worker(index: int, seconds: float, device: torch.device, width: int, depth:
         barrier.wait()
         deadline = time.monotonic() + seconds
         step = 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or step < min_steps:  # at least min_steps rounds, however slow
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 expected = _bits(params)
                 checksum = step % 2 == 0
@@ -70,14 +70,16 @@ def _worker(index: int, seconds: float, device: torch.device, width: int, depth:
 
 
 def stress(seconds: float = 300.0, *, device: str = "cpu", threads: int = 2, width: int = 256, depth: int = 6,
-           arena: Optional[go.Arena] = None) -> dict[str, Any]:
-    """Runs the threads for `seconds`; returns per-thread counts, errors and the arena's state after."""
+           arena: Optional[go.Arena] = None, min_steps: int = 0) -> dict[str, Any]:
+    """Runs the threads for `seconds` (and at least `min_steps` rounds each); returns per-thread counts,
+    errors and the arena's state after."""
     dev = torch.device(device)
     arena = arena if arena is not None else go.Arena(min_slab_bytes=16 << 20)
     report: dict[str, Any] = {"seconds": seconds, "device": device, "num_threads": threads}
     barrier = threading.Barrier(threads)
-    workers = [threading.Thread(target=_worker, args=(i, seconds, dev, width, depth, arena, barrier, report),
-                                name=f"stress-{i}") for i in range(threads)]
+    workers = [threading.Thread(target=_worker, name=f"stress-{i}",
+                                args=(i, seconds, dev, width, depth, arena, barrier, report, min_steps))
+               for i in range(threads)]
     for t in workers:
         t.start()
     for t in workers:

@@ -247,9 +247,10 @@ def test_reload_on_a_full_gpu_fails_clearly_and_a_retry_after_freeing_works():
 def test_two_threads_on_different_models_stay_bitwise_right(device):
     # The short version of benchmarks/stress_threads.py (minutes there, seconds here).
     stress = _load_script("stress_threads")
-    report = stress.stress(3.0, device=str(device), threads=2, width=128, depth=4)
+    # Rounds counted, not timed: each thread runs at least 4 (3 restores, 2 offloads) however busy the machine.
+    report = stress.stress(3.0, device=str(device), threads=2, width=128, depth=4, min_steps=4)
     assert not report.get("errors"), report.get("errors")
     assert report["wrong"] == 0
     for i in range(2):
-        assert report[f"thread{i}"]["restores"] >= 3 and report[f"thread{i}"]["offloads"] >= 1, report
+        assert report[f"thread{i}"]["restores"] >= 4 and report[f"thread{i}"]["offloads"] >= 2, report
     assert report["arena_used_bytes_after"] == 0 and report["offloaded_bytes_after"] == 0
