@@ -294,9 +294,9 @@ def reload(target: Any, *, verify: bool = False) -> None:
                                                                              waits=items[0][2].events)))
                 except BaseException as exc:
                     enqueued.append((items, _plan.enqueued(exc)))  # other devices' copies, still running
-                    region._pending.extend(enqueued[-1][1])
                     raise
-                region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
+                finally:
+                    region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
         except BaseException as exc:
             _undo_reload(records, enqueued)
             needed = sum(r.nbytes for _, _, r in records)

@@ -348,6 +348,7 @@ class _ViewCheck:
         except Exception:
             return False
 
+
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
 _cache_lock = threading.Lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
