@@ -98,21 +98,12 @@ Scratch* acquire(int device, std::size_t chunks, int* sm_count) {
     (void)cudaGetLastError();
   }
   auto item = std::make_unique<Scratch>();
-  std::size_t capacity = 256;
-  while (capacity < chunks) capacity *= 2;
-  void* host = nullptr;
-  GO_CUDA_CHECK(cudaHostAlloc(&host, capacity * (sizeof(SumChunk) + sizeof(unsigned long long)),
-                              cudaHostAllocPortable | cudaHostAllocMapped));
-  void* device_ptr = nullptr;
-  cudaError_t status = cudaHostGetDevicePointer(&device_ptr, host, 0);
-  if (status == cudaSuccess) status = cudaEventCreateWithFlags(&item->event, cudaEventDisableTiming);
-  if (status != cudaSuccess) {
-    cudaFreeHost(host);
-    GO_CUDA_CHECK(status);
-  }
-  item->table = static_cast<SumChunk*>(host);
+  const std::size_t capacity = mapped_capacity(chunks);
+  const MappedBlock block = alloc_mapped_block(capacity * (sizeof(SumChunk) + sizeof(unsigned long long)));
+  item->event = block.done;
+  item->table = static_cast<SumChunk*>(block.host);
   item->partials = reinterpret_cast<unsigned long long*>(item->table + capacity);
-  item->device_table = static_cast<SumChunk*>(device_ptr);
+  item->device_table = static_cast<SumChunk*>(block.device);
   item->device_partials = reinterpret_cast<unsigned long long*>(item->device_table + capacity);
   item->chunks = capacity;
   item->in_use = true;

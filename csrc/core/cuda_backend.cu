@@ -78,16 +78,11 @@ ChunkTable& take_table(std::deque<ChunkTable>& tables, std::size_t n) {
     (void)cudaGetLastError();
   }
   ChunkTable t;
-  t.capacity = 256;
-  while (t.capacity < n) t.capacity *= 2;
-  GO_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&t.host), t.capacity * sizeof(Chunk),
-                              cudaHostAllocPortable | cudaHostAllocMapped));
-  cudaError_t status = cudaHostGetDevicePointer(reinterpret_cast<void**>(&t.device), t.host, 0);
-  if (status == cudaSuccess) status = cudaEventCreateWithFlags(&t.done, cudaEventDisableTiming);
-  if (status != cudaSuccess) {
-    cudaFreeHost(t.host);
-    GO_CUDA_CHECK(status);
-  }
+  t.capacity = mapped_capacity(n);
+  const MappedBlock block = alloc_mapped_block(t.capacity * sizeof(Chunk));
+  t.host = static_cast<Chunk*>(block.host);
+  t.device = static_cast<Chunk*>(block.device);
+  t.done = block.done;
   tables.push_back(t);
   return tables.back();
 }

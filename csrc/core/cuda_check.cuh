@@ -5,6 +5,7 @@
 #include <cuda.h>  // types only: driver functions are reached through cudaGetDriverEntryPointByVersion
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <string>
 #include <type_traits>
 
@@ -104,6 +105,36 @@ inline bool thread_has_context() {
   const DriverApi& d = driver_api();
   CUcontext ctx = nullptr;
   return d.ctx_get_current != nullptr && d.ctx_get_current(&ctx) == CUDA_SUCCESS && ctx != nullptr;
+}
+
+// Kernel scratch (chunk tables, partial sums) in pinned host memory mapped into the device, with an event
+// marking its last use: nothing is allocated on the device, which is full when people offload, and nothing
+// outside torch's allocator. Grow-only pools keep them for the life of the process; an event never recorded
+// queries as complete, so a fresh block is free at once.
+struct MappedBlock {
+  void* host = nullptr;
+  void* device = nullptr;  // the same memory, as a kernel addresses it
+  cudaEvent_t done = nullptr;
+};
+
+// Room for at least `n` items: powers of two from 256, so a pool holds few sizes.
+inline std::size_t mapped_capacity(std::size_t n) {
+  std::size_t capacity = 256;
+  while (capacity < n) capacity *= 2;
+  return capacity;
+}
+
+// A new block of `num_bytes` under the current device; nothing is leaked when a step fails.
+inline MappedBlock alloc_mapped_block(std::size_t num_bytes) {
+  MappedBlock b;
+  GO_CUDA_CHECK(cudaHostAlloc(&b.host, num_bytes, cudaHostAllocPortable | cudaHostAllocMapped));
+  cudaError_t status = cudaHostGetDevicePointer(&b.device, b.host, 0);
+  if (status == cudaSuccess) status = cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming);
+  if (status != cudaSuccess) {
+    cudaFreeHost(b.host);
+    GO_CUDA_CHECK(status);
+  }
+  return b;
 }
 
 }  // namespace gpu_offload::cuda
