@@ -286,8 +286,13 @@ def markdown(results: list, meta: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# gpu_offload's own rows (blue in the plot): the engine group, the first snapshot, the gather-threshold sweep
+# and the checkpoint stager; everything else is a baseline.
+_ENGINE_PREFIXES = ("gpu_offload.", "first snapshot", "snapshot+wait, gather", "restore, gather", "ArenaStager")
+
+
 def _is_engine(method: str) -> bool:
-    return method.startswith("gpu_offload.") or method.startswith("first snapshot")
+    return method.startswith(_ENGINE_PREFIXES)
 
 
 def plot(results: list, path: Path, meta: Optional[dict] = None) -> None:
