@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import api
+from . import plan as _plan
 from ._errors import OffloadError
 from .arena import Arena
 from .snapshot import Snapshot
@@ -480,10 +481,6 @@ def gather_sweep(thresholds: Sequence[int]) -> Callable[[Bench], list[Row]]:
     and direction."""
 
     def measure_gather_sweep(b: Bench) -> list[Row]:
-        import os
-
-        from . import plan as _plan
-
         if b.device.type != "cuda":
             return []
         tensors, arena = b.tensors, b.arena
