@@ -59,6 +59,8 @@ def build_info() -> dict[str, Any]:
         "version": __version__,
         "core_version": _C.version(),
         "cuda": compiled,
+        # Kept for callers that read it: no CUDA runtime is linked any more (the driver is in cuda_driver).
+        "cuda_runtime_version": None,
         "cuda_architectures": [a for a in archs.split(",") if a] if compiled else [],
         "cuda_driver": cuda,
         "arena_alignment": int(_C.ARENA_ALIGNMENT),

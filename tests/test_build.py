@@ -14,6 +14,7 @@ def test_build_info_fields():
     assert info["version"] == go.__version__ == info["core_version"]
     assert isinstance(info["cuda"], bool)
     assert info["arena_alignment"] >= 256
+    assert info["cuda_runtime_version"] is None  # no runtime is linked; the key stays for its readers
     d = info["cuda_driver"]
     if not info["cuda"]:
         assert d is None and info["cuda_architectures"] == []

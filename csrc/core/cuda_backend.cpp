@@ -490,8 +490,8 @@ EventPtr copy_batch(int device, const Batch& batch, std::uintptr_t user_stream, 
                     bool user_waits) {
   DeviceEngine& de = device_engine(device);
   const Engine& e = engine(device);
-  flush_pins();
   ContextGuard guard(device);
+  flush_pins();  // memory pinned while the engine was being made, under this device's context
   auto user = reinterpret_cast<CUstream>(user_stream);
   refuse_capture(user, device, "copy");  // before anything is enqueued
   GO_CHECK(batch.kernel.size() == 0 || e.kernels.gather != nullptr,

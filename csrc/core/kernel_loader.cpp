@@ -223,7 +223,7 @@ void write_file(const std::string& path, const std::string& data) {
 
 // Compiles the kernel source for `cc` (e.g. 90) with NVRTC: a cubin for that architecture when this NVRTC
 // knows it, else PTX for the newest one it knows, which the driver compiles further. Cached on disk.
-bool nvrtc_image(int cc, std::string* image, std::string* label, std::string* error) {
+bool nvrtc_image(int cc, bool use_cache, std::string* image, std::string* label, std::string* error) {
   const NvrtcFound& found = find_nvrtc();
   if (found.path.empty()) {
     *error = found.error;
@@ -259,7 +259,7 @@ bool nvrtc_image(int cc, std::string* image, std::string* label, std::string* er
   const std::string cache = kernel_cache_dir();
   const std::string path = cache.empty() ? "" : cache + "/kernels-" + name + (cubin ? "-sm_" : "-compute_") +
                                                     std::to_string(target) + (cubin ? ".cubin" : ".ptx");
-  if (!path.empty() && read_file(path, image)) {
+  if (use_cache && !path.empty() && read_file(path, image)) {
     *label = "nvrtc-cache";
     return true;
   }
@@ -383,13 +383,20 @@ Kernels load_kernels(int device) {
   }
   if (mode == "auto" || mode == "nvrtc") {
     std::string image, label;
-    if (!nvrtc_image(cc, &image, &label, &error)) {
-      why.push_back(error);
-    } else if (load_image(image.data(), &k, &error)) {
-      k.info.source = label;
-      return k;
-    } else {
-      why.push_back("NVRTC image: " + error);
+    // A cached image the driver refuses (a damaged file) is compiled again, and the cache rewritten.
+    for (bool use_cache : {true, false}) {
+      if (!nvrtc_image(cc, use_cache, &image, &label, &error)) {
+        why.push_back(error);
+        break;
+      }
+      if (load_image(image.data(), &k, &error)) {
+        k.info.source = label;
+        return k;
+      }
+      if (label != "nvrtc-cache") {
+        why.push_back("NVRTC image: " + error);
+        break;
+      }
     }
   }
   if (mode == "auto" && sim::enabled() && sim::config().kernels == "builtin") {
