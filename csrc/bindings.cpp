@@ -108,6 +108,8 @@ void bind_sim(py::module_& m) {
   s.def("enqueue_fill", &sim::enqueue_fill, py::arg("device"), py::arg("stream"), py::arg("ptr"), py::arg("value"),
         py::arg("num_bytes"));
   s.def("synchronize", &sim::synchronize, py::call_guard<py::gil_scoped_release>());
+  s.def("block", &sim::block, py::arg("entry"), py::arg("nth"), py::arg("timeout_seconds"));
+  s.def("parked", &sim::parked, py::arg("gate"));
   s.def("fail", &sim::fail, py::arg("entry"), py::arg("nth"), py::arg("result"));
   s.def("clear_failures", &sim::clear_failures);
   s.def("calls", &sim::calls, py::arg("entry"));

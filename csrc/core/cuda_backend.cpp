@@ -437,10 +437,17 @@ void host_unregister(void* ptr) {
 }
 
 Event::~Event() {
-  // Destroying a recorded event is legal before it completes; resources are released once it does.
+  // Destroying a recorded event is legal before it completes; resources are released once it does. Under
+  // the event's own context: the last reference may go on any thread (Python's collector), with none current.
   if (handle_ == nullptr) return;
   const DriverState& s = driver_state();
-  if (s.table != nullptr) s.table->cuEventDestroy_(static_cast<CUevent>(handle_));
+  if (s.table == nullptr) return;
+  try {
+    ContextGuard guard(device_);
+    s.table->cuEventDestroy_(static_cast<CUevent>(handle_));
+  } catch (...) {
+    // The driver is shutting down (process exit): nothing left to release.
+  }
 }
 
 bool Event::query() const {

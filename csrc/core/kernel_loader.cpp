@@ -333,7 +333,7 @@ const NvrtcFound& find_nvrtc() {
 
 bool has_fatbin() {
 #ifdef GPU_OFFLOAD_FATBIN_PATH
-  return gpu_offload_fatbin_end > gpu_offload_fatbin;
+  return gpu_offload_fatbin_end - gpu_offload_fatbin > 0;
 #else
   return false;
 #endif

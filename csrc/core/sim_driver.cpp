@@ -37,6 +37,10 @@ struct Marker {
     std::unique_lock<std::mutex> lock(m);
     cv.wait(lock, [&] { return done; });
   }
+  void wait_for(double seconds) {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return done; });
+  }
   bool is_done() {
     std::lock_guard<std::mutex> lock(m);
     return done;
@@ -133,6 +137,13 @@ struct Injection {
   CUresult result;
 };
 
+// A call parked by block(): it waits for its gate (or the timeout) before it goes ahead.
+struct Block {
+  int remaining;
+  std::uint64_t gate;
+  double timeout;
+};
+
 struct Sim {
   Config config;
   std::mutex m;  // everything below
@@ -143,6 +154,8 @@ struct Sim {
   std::unordered_map<std::string, std::size_t> calls;
   std::unordered_map<std::string, std::vector<Injection>> injections;
   std::unordered_map<std::uint64_t, MarkerPtr> gates;
+  std::unordered_map<std::string, std::vector<Block>> blocks;
+  std::unordered_map<std::uint64_t, bool> parked;  // gate -> a call waits on it now
   std::uint64_t next_gate = 1;
   std::vector<int> sticky;
   std::size_t kernel_launches = 0;
@@ -161,8 +174,25 @@ Sim& sim() {
 // Counts the call and applies an injected failure; 0 when the call goes ahead.
 CUresult hook(const char* name) {
   Sim& s = sim();
-  std::lock_guard<std::mutex> lock(s.m);
+  std::unique_lock<std::mutex> lock(s.m);
   ++s.calls[name];
+  auto b = s.blocks.find(name);
+  if (b != s.blocks.end()) {
+    for (auto blk = b->second.begin(); blk != b->second.end(); ++blk) {
+      if (--blk->remaining != 0) continue;
+      const Block parked = *blk;
+      b->second.erase(blk);
+      auto g = s.gates.find(parked.gate);
+      if (g == s.gates.end()) break;  // released before the call came
+      MarkerPtr gate = g->second;
+      s.parked[parked.gate] = true;
+      lock.unlock();
+      gate->wait_for(parked.timeout);
+      lock.lock();
+      s.parked[parked.gate] = false;
+      break;
+    }
+  }
   auto it = s.injections.find(name);
   if (it == s.injections.end()) return kSuccess;
   for (auto inj = it->second.begin(); inj != it->second.end(); ++inj) {
@@ -267,12 +297,6 @@ bool device_accessible(Sim& s, int device, std::uintptr_t p, std::size_t n) {
   if (partial) return false;
   const Range* h = find(s.host_reg, p, n, &partial);
   return h != nullptr && (h->flags & kHostRegisterDeviceMap) != 0;
-}
-
-void set_sticky(int device, CUresult r) {
-  Sim& s = sim();
-  std::lock_guard<std::mutex> lock(s.m);
-  if (s.sticky[device] == kSuccess) s.sticky[device] = r;
 }
 
 CUresult sticky(int device) {
@@ -994,6 +1018,23 @@ void synchronize() {
       m->wait();
     }
   }
+}
+
+std::uint64_t block(const std::string& entry, int nth, double timeout_seconds) {
+  GO_CHECK(nth >= 1, "block: nth counts from 1");
+  Sim& s = sim();
+  std::lock_guard<std::mutex> lock(s.m);
+  const std::uint64_t id = s.next_gate++;
+  s.gates[id] = std::make_shared<Marker>();
+  s.blocks[entry].push_back(Block{nth, id, timeout_seconds});
+  return id;
+}
+
+bool parked(std::uint64_t gate_id) {
+  Sim& s = sim();
+  std::lock_guard<std::mutex> lock(s.m);
+  auto it = s.parked.find(gate_id);
+  return it != s.parked.end() && it->second;
 }
 
 void fail(const std::string& entry, int nth, int result) {

@@ -11,8 +11,8 @@
 //   * kernels run the host versions of the same bodies (kernels.cuh), reading their chunk tables when they
 //     execute, not when they are launched, as a GPU does;
 //   * tests can delay every operation of a stream, hold a stream on a gate the host releases, capture a
-//     stream (CUDA graph capture status and mode rules), and make the Nth call of any entry point return a
-//     chosen CUresult.
+//     stream (CUDA graph capture status and mode rules), make the Nth call of any entry point return a
+//     chosen CUresult, or park the thread making it until the test releases it.
 // The legacy stream (handle 0) is a plain stream of the current context here: its implicit
 // synchronization with other blocking streams is not modelled (the engine's streams are non-blocking).
 #pragma once
@@ -70,6 +70,12 @@ void enqueue_fill(int device, std::uintptr_t stream, std::uintptr_t ptr, unsigne
 void enqueue_host(int device, std::uintptr_t stream, std::function<void()> fn);
 // Waits until every stream has run everything enqueued so far (gates must be released first).
 void synchronize();
+// Parks the calling thread in the nth call (1 = the next one) of `entry` until release() of the returned
+// gate, or until `timeout_seconds` have passed (so that a test of a thread that can no longer release it
+// ends instead of hanging); the call then goes ahead.
+std::uint64_t block(const std::string& entry, int nth, double timeout_seconds);
+// True while a call parked by block() waits on `gate_id`.
+bool parked(std::uint64_t gate_id);
 // The nth call (1 = the next one) of `entry` (e.g. "cuMemcpyAsync") returns `result` and does nothing.
 void fail(const std::string& entry, int nth, int result);
 void clear_failures();

@@ -220,3 +220,41 @@ def test_pinning_before_any_device_creates_no_context():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("call", ["stats", "free", "region_bytes", "pin_mode"])
+def test_waiting_for_the_arena_lock_lets_other_threads_run(call):
+    """A thread that pins a slab holds the arena's lock for as long as the driver takes (seconds for GBs);
+    another thread that then calls stats/free/region_bytes/pin_mode waits for that lock without the GIL, so
+    every other Python thread runs on. Here the pin is parked in cuMemHostRegister until the test releases
+    it; were the GIL held by the waiting thread, this test's own thread could not run until the park timed
+    out, and would find the pin no longer parked."""
+    sim.mem_alloc(0, 512)  # a device in use: the slab is registered at once, under its context
+    impl = _C.HostArena(0, 4 << 20, "register")
+    region = impl.allocate(1 << 20)  # the first slab
+    gate = sim.block("cuMemHostRegister", 1, 30.0)
+    pinning = threading.Thread(target=impl.allocate, args=(8 << 20,))  # a second slab, parked while pinned
+    pinning.start()
+    wait_until(lambda: sim.parked(gate), "the pin to be parked")
+    started = threading.Event()
+
+    def wait_for_the_lock() -> None:
+        started.set()
+        if call == "free":
+            impl.free(region)
+        elif call == "region_bytes":
+            impl.region_bytes(region)
+        elif call == "pin_mode":
+            impl.pin_mode
+        else:
+            impl.stats()
+
+    waiter = threading.Thread(target=wait_for_the_lock)
+    waiter.start()
+    started.wait()
+    time.sleep(0.2)  # the waiter is now blocked on the arena's lock
+    parked = sim.parked(gate)
+    sim.release(gate)
+    pinning.join()
+    waiter.join()
+    assert parked, "this thread could not run while another one waited for the arena's lock"
