@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make test` and `make bench`. Both create .venv and build the extension
-# (CUDA code compiled when nvcc is found; GPU_OFFLOAD_CUDA=0 for a CPU-only build).
+# (the CUDA backend always, on the driver API; the kernels' fatbin when nvcc is found; GPU_OFFLOAD_CUDA=0 for
+# a CPU-only build).
 PYTHON_SYS ?= python3
 VENV       := .venv
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.gpu_offload-installed
-SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -name '*.cu') CMakeLists.txt setup.py pyproject.toml
+SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh') CMakeLists.txt setup.py pyproject.toml
 PYTEST_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

@@ -36,6 +36,12 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def current_stream(device: int) -> int:
+    """The handle of `device`'s current stream, which the copies are ordered after (tests on the simulated
+    driver point this at a simulated stream: the one place plan.py asks torch for a stream)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class CopyPlans:
     """The copies for one target layout, one _C.CopyPlan per device."""
 
@@ -55,7 +61,7 @@ class CopyPlans:
         scope = _join_scope.get()
         try:
             for device, plan in self.groups:
-                stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+                stream = current_stream(device) if device >= 0 else 0
                 event = plan.run(to_host, host_base, stream, wait_list, stream_waits and scope is None)
                 if event is not None:
                     events.append(event)
@@ -123,7 +129,7 @@ def join(events: Sequence[Any]) -> None:
             by_device.setdefault(e.device, []).append(e)
     for device, evs in by_device.items():
         # An empty batch that waits for the events and that the current stream then waits for.
-        _C.CopyPlan(device, [], [], []).run(True, 0, torch.cuda.current_stream(device).cuda_stream, evs, True)
+        _C.CopyPlan(device, [], [], []).run(True, 0, current_stream(device), evs, True)
 
 
 @contextlib.contextmanager
