@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import api
+from . import _capture, api
 from ._errors import OffloadError
 from .arena import Arena, Region, default_arena
 from .storages import PLAIN_TENSOR_TYPES
@@ -145,6 +145,7 @@ class ArenaStager(AsyncStager):
         overlap=True, a future of it). See the class docstring."""
         if self._closed:
             raise OffloadError("ArenaStager: stage() after close()")
+        _capture.refuse("ArenaStager.stage")
         with self._lock:  # a finished stage's future holds its staged dict: let it go before allocating
             self._pending = [f for f in self._pending if not f.done()]
         tensors, build = flatten_state_dict(state_dict)
@@ -167,7 +168,7 @@ class ArenaStager(AsyncStager):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu_offload-stager")
             # The worker holds the snapshot only until the staged dict (whose views keep it) is built.
-            future = self._executor.submit(lambda s=snap: build(s.state_dict()))
+            future = self._executor.submit(_build_relaxed, build, snap)
             del snap
             self._pending.append(future)
         return future
@@ -206,6 +207,13 @@ class ArenaStager(AsyncStager):
 
     def __repr__(self) -> str:
         return f"ArenaStager(overlap={self._overlap}, staged_bytes={self.staged_bytes}, arena={self.arena!r})"
+
+
+def _build_relaxed(build: Callable[[dict[str, torch.Tensor]], Any], snap: Any) -> Any:
+    # The worker waits for the copy while the training thread may be capturing a CUDA graph: in relaxed
+    # capture mode that wait (on an event recorded outside any capture) does not invalidate the capture.
+    with _capture.relaxed():
+        return build(snap.state_dict())
 
 
 def _done(value: Any) -> "Future[Any]":

@@ -20,7 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
+from . import _capture
 from . import plan as _plan
+from ._errors import OffloadError
 
 
 @dataclass
@@ -50,8 +52,14 @@ def join() -> None:
     update, an overlapped parameter all-gather, a manual copy into a parameter).
 
     Per stream: each thread's current stream waits for itself; entries are dropped only once their
-    copies have completed, never because one stream has waited for them."""
+    copies have completed, never because one stream has waited for them.
+
+    Under CUDA graph capture (a captured optimizer step) a stream cannot wait for a copy outside the
+    graph: join then passes when every copy has completed and raises OffloadError otherwise."""
     if not _pending:  # the common case: nothing overlapped in flight
+        return
+    if _capture.capturing():
+        _join_capturing()
         return
     with _lock:
         todo: list[Any] = []
@@ -71,6 +79,19 @@ def join() -> None:
             _plan.join(todo)
 
 
+def _join_capturing() -> None:
+    # The events were recorded outside the capture: in relaxed mode this thread may query them without
+    # invalidating the capture (in the default mode a query fails and ends it).
+    with _lock, _capture.relaxed() as relaxed:
+        running = [e for entry in _pending for e in _in_flight(entry)] if relaxed else list(_pending)
+        if not running:
+            _pending[:] = []
+            return
+    raise OffloadError(f"gpu_offload.join() (also run before every optimizer step) under CUDA graph capture: "
+                       f"{len(running)} copies of snapshot(overlap=True) may still be reading the weights, and "
+                       f"a captured stream cannot wait for them; {_capture.ADVICE}")
+
+
 def _step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     join()
 
@@ -83,7 +104,10 @@ def defer(events: Sequence[Any], sources: Sequence[Any] = ()) -> None:
         _pending[:] = [e for e in _pending if _in_flight(e)]  # bounded even when nothing ever joins
         _pending.append(_Entry(list(events), list(sources)))
         if _hook is None:
-            _hook = torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook)
+            # From the submodule itself: torch 2.13's torch.optim no longer has it as an attribute.
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook = register_optimizer_step_pre_hook(_step_pre_hook)
 
 
 def pending() -> int:

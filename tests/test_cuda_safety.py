@@ -9,6 +9,7 @@ code would do meanwhile; a missing guard shows up as the sentinel in the data th
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -103,7 +104,8 @@ def test_overlap_entries_do_not_pile_up_without_joins(monkeypatch):
 
 
 class _EnqueuingPlan:
-    """A device group whose batch is enqueued (an event not yet complete)."""
+    """A device group whose batch is enqueued (an event not yet complete). run_into does what the binding
+    does with a device batch's event: appends it to every list it is given before returning."""
 
     def __init__(self, event: FakeEvent) -> None:
         self.event = event
@@ -112,12 +114,19 @@ class _EnqueuingPlan:
     def run(self, *args: Any) -> FakeEvent:
         return self.event
 
+    def run_into(self, sinks: tuple[list[Any], ...], *args: Any) -> None:
+        for sink in sinks:
+            sink.append(self.event)
+
 
 class _FailingPlan:
     num_copies = 1
 
     def run(self, *args: Any) -> None:
         raise go.OffloadError("injected: the second device refused the batch")
+
+    def run_into(self, sinks: Any, *args: Any) -> None:
+        self.run()
 
 
 def test_a_failure_on_a_later_device_carries_the_earlier_devices_events():
@@ -143,6 +152,316 @@ def test_region_of_a_failed_multi_device_call_is_freed_only_after_the_enqueued_c
     first.done = True
     assert arena.used_bytes == 0
     assert not go.is_offloaded(state)
+
+
+# -- CPU: interrupts, dropped arenas, graph capture, buffers under overlap (review 3) ----------------------
+class _InterruptedAfterEnqueue:
+    """A device group whose batch is enqueued and running when CPython raises the interrupt it held while the
+    C call ran (Ctrl-C, ray.cancel, a signal-based timeout): as the call returns, dropping its return value.
+    The real plan runs first; `event` stands for the running batch's event, which run_into (like the binding)
+    has appended to the caller's lists before returning, unless `recorded` is False."""
+
+    def __init__(self, real: Any, event: FakeEvent, recorded: bool = True) -> None:
+        self.real, self.event, self.recorded = real, event, recorded
+        self.num_copies = real.num_copies
+
+    def run(self, *args: Any) -> Any:
+        self.real.run(*args)
+        raise KeyboardInterrupt  # the event it returned is lost
+
+    def run_into(self, sinks: tuple[list[Any], ...], *args: Any) -> None:
+        self.real.run_into(sinks, *args)
+        if self.recorded:
+            for sink in sinks:
+                sink.append(self.event)
+        raise KeyboardInterrupt
+
+
+def _interrupt(plans: _plan.CopyPlans, event: FakeEvent, recorded: bool = True, device: int = -1) -> _plan.CopyPlans:
+    return _plan.CopyPlans([(device, _InterruptedAfterEnqueue(p, event, recorded)) for _, p in plans.groups])
+
+
+def _interrupt_target_copies(monkeypatch: pytest.MonkeyPatch, event: FakeEvent, **kwargs: Any) -> None:
+    real = _plan.TargetPlan.copies
+    monkeypatch.setattr(_plan.TargetPlan, "copies",
+                        lambda self, host_offsets=None: _interrupt(real(self, host_offsets), event, **kwargs))
+
+
+@pytest.mark.parametrize("op", ["snapshot", "offload"])
+def test_an_interrupt_as_the_enqueue_returns_keeps_the_region_until_the_copy_ends(arena, monkeypatch, op):
+    state = {"w": torch.randn(1000)}
+    expected = state["w"].clone()
+    event = FakeEvent()
+    _interrupt_target_copies(monkeypatch, event)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(go, op)(state, arena=arena)
+    assert arena.used_bytes > 0, "the region was freed while the interrupted copy still writes it"
+    event.done = True
+    assert arena.used_bytes == 0
+    assert not go.is_offloaded(state)
+    assert_bitwise_equal(state["w"], expected)
+
+
+def test_an_interrupted_restore_keeps_the_snapshot_region_until_its_copy_ends(arena, monkeypatch):
+    state = {"w": torch.randn(1000)}
+    snap = go.snapshot(state, arena=arena)
+    event = FakeEvent()
+    _interrupt_target_copies(monkeypatch, event)
+    with pytest.raises(KeyboardInterrupt):
+        go.restore(state, snap)
+    snap.free()
+    assert arena.used_bytes > 0, "a freed snapshot's region went back while an interrupted restore still reads it"
+    event.done = True
+    assert arena.used_bytes == 0
+
+
+def test_an_interrupt_in_the_undo_of_an_offload_keeps_the_region_until_the_refill_ends(arena, monkeypatch):
+    from gpu_offload import registry
+
+    state = {"w": torch.randn(1000)}
+    expected = state["w"].clone()
+    go.snapshot(state, arena=arena).free()  # the target's plan is cached: only the refill below is interrupted
+    event = FakeEvent()
+    real_build = _plan.build_copies
+    monkeypatch.setattr(_plan, "build_copies", lambda entries: _interrupt(real_build(entries), event))
+
+    def failing_guard(target: Any) -> None:
+        raise go.OffloadError("injected after the storages were released")
+
+    monkeypatch.setattr(registry, "guard", failing_guard)
+    with pytest.raises(KeyboardInterrupt):  # interrupted while putting the target back
+        go.offload(state, arena=arena)
+    assert arena.used_bytes > 0, "the region went back while the refill of the target still reads it"
+    event.done = True
+    assert arena.used_bytes == 0
+    assert not go.is_offloaded(state)
+    assert_bitwise_equal(state["w"], expected)
+
+
+def test_a_device_batch_interrupted_without_its_event_is_waited_for_before_the_region_goes(arena, monkeypatch):
+    """The belt: a device group that raised without leaving an event may have enqueued work; its engine
+    streams are synchronized before the error reaches the caller, who then frees the region."""
+    state = {"w": torch.randn(1000)}
+    synced: list[tuple[int, bool, int]] = []
+    monkeypatch.setattr(_plan, "_current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(_plan, "synchronize_engine",
+                        lambda device, to_host: synced.append((device, to_host, arena.used_bytes)))
+    _interrupt_target_copies(monkeypatch, FakeEvent(), recorded=False, device=0)
+    with pytest.raises(KeyboardInterrupt):
+        go.snapshot(state, arena=arena)
+    assert [(d, h) for d, h, _ in synced] == [(0, True)]
+    assert synced[0][2] > 0  # while the region was still held
+    assert arena.used_bytes == 0
+
+
+def test_an_interrupt_before_the_snapshot_object_exists_leaves_the_region_waiting_for_the_copy(arena, monkeypatch):
+    from gpu_offload import api
+
+    event = FakeEvent()
+    monkeypatch.setattr(_plan.TargetPlan, "copies",
+                        lambda self, host_offsets=None: _plan.CopyPlans([(-1, _EnqueuingPlan(event))]))
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "Snapshot", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        go.snapshot({"w": torch.randn(1000)}, arena=arena)
+    gc.collect()
+    assert arena.used_bytes > 0, "the orphaned region was reused while its copy still writes it"
+    event.done = True
+    assert arena.used_bytes == 0
+
+
+def test_an_arena_dropped_with_frees_pending_keeps_its_memory_until_the_copies_end():
+    arena = go.Arena(min_slab_bytes=4 * _MIB, pin="none")
+    impl = weakref.ref(arena._impl)
+    region = arena._allocate(_MIB)
+    event = FakeEvent()
+    region.release([event])  # freed before its copy ended (snap.free() right after snapshot())
+    orphan = arena._allocate(_MIB)
+    orphan._pending.append(event)  # dropped unreleased while a copy uses it
+    del region, orphan, arena
+    gc.collect()
+    assert impl() is not None, "the arena's slabs were unpinned and unmapped while a copy still used them"
+    go.Arena(min_slab_bytes=4 * _MIB, pin="none").used_bytes  # any arena's next call reaps: still in flight
+    assert impl() is not None
+    event.done = True
+    go.Arena(min_slab_bytes=4 * _MIB, pin="none").used_bytes
+    assert impl() is None
+
+
+class _QueryFails(FakeEvent):
+    def query(self) -> bool:
+        raise RuntimeError("operation not permitted on an event last recorded in a capturing stream")
+
+    def synchronize(self) -> None:
+        raise RuntimeError("operation not permitted on an event last recorded in a capturing stream")
+
+
+def test_an_event_whose_query_raises_does_not_brick_the_arena(arena):
+    region = arena._allocate(_MIB)
+    region.release([_QueryFails()])  # kept deferred, not raised
+    assert arena.used_bytes > 0
+    other = arena._allocate(_MIB)
+    other.release()
+    arena.stats()
+    arena.trim()  # waits for deferred copies: the failing wait is not raised either
+    assert arena.used_bytes > 0  # the region it guards stays reserved
+
+
+def _fake_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the current CUDA stream were capturing a graph (torch.cuda.graph)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("op", ["snapshot", "restore", "offload", "reload", "swap", "stage", "wait"])
+def test_every_entry_refuses_under_cuda_graph_capture(arena, monkeypatch, op):
+    from gpu_offload.checkpoint import ArenaStager
+
+    state, other = {"w": torch.randn(64)}, {"v": torch.randn(64)}
+    snap = go.snapshot(state, arena=arena)
+    go.offload(other, arena=arena)
+    used = arena.used_bytes
+    calls = {
+        "snapshot": lambda: go.snapshot(state, arena=arena),
+        "restore": lambda: go.restore(state, snap),
+        "offload": lambda: go.offload(state, arena=arena),
+        "reload": lambda: go.reload(other),
+        "swap": lambda: go.swap(state, other, arena=arena),
+        "stage": lambda: ArenaStager(arena).stage(state),
+        "wait": lambda: snap.wait(),
+    }
+    _fake_capture(monkeypatch)
+    with pytest.raises(go.OffloadError, match="capturing a CUDA graph"):
+        calls[op]()
+    monkeypatch.undo()
+    assert arena.used_bytes == used and go.is_offloaded(other) and not go.is_offloaded(state)
+    go.reload(other)
+    snap.free()
+
+
+def test_join_under_capture_queries_in_relaxed_mode_and_refuses_copies_in_flight(monkeypatch):
+    """A captured optimizer step: the guard cannot make a capturing stream wait for a copy outside the
+    graph. It queries the copies in relaxed capture mode (a query in the default mode would end the
+    capture), passes when they completed, and raises a clear error while they run."""
+    import contextlib
+
+    mode = {"relaxed": False}
+
+    @contextlib.contextmanager
+    def relaxed() -> Any:
+        mode["relaxed"] = True
+        try:
+            yield True
+        finally:
+            mode["relaxed"] = False
+
+    class StrictEvent(FakeEvent):
+        def query(self) -> bool:
+            assert mode["relaxed"], "an event was queried in the capturing thread outside relaxed mode"
+            return self.done
+
+    monkeypatch.setattr(_overlap, "_pending", [])
+    monkeypatch.setattr(_overlap._plan, "join", lambda events: pytest.fail("a capturing stream was made to wait"))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    event = StrictEvent()
+    _overlap._pending[:] = [_overlap._Entry([event], [])]
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.ones(4)
+    opt = torch.optim.SGD(params, lr=1.0)
+    guard = register_optimizer_step_pre_hook(_overlap._step_pre_hook)  # as the first overlapped snapshot does
+    try:
+        _fake_capture(monkeypatch)
+        try:
+            from gpu_offload import _capture
+        except ImportError:  # the code before capture awareness
+            pass
+        else:
+            monkeypatch.setattr(_capture, "relaxed", relaxed)
+        with pytest.raises(go.OffloadError, match="under CUDA graph capture"):
+            go.join()
+        with pytest.raises(go.OffloadError, match="under CUDA graph capture"):
+            opt.step()  # the step guard: before the step changes anything
+        assert bool((params[0] == 0).all())
+        event.done = True
+        go.join()  # complete: nothing to wait for, and the capture can go on
+        assert _overlap.pending() == 0
+        opt.step()
+    finally:
+        guard.remove()
+
+
+def test_freeing_under_capture_queries_no_event(arena, monkeypatch):
+    class Counting(FakeEvent):
+        queries = 0
+
+        def query(self) -> bool:
+            Counting.queries += 1
+            return self.done
+
+    region = arena._allocate(_MIB)
+    event = Counting()
+    _fake_capture(monkeypatch)
+    region.release([event])
+    arena.used_bytes
+    assert Counting.queries == 0, "an event was queried in a capturing thread (that ends the capture)"
+    monkeypatch.undo()
+    assert arena.used_bytes > 0
+    event.done = True
+    assert arena.used_bytes == 0
+
+
+def test_the_first_overlapped_snapshot_installs_the_step_guard(monkeypatch):
+    # torch 2.13's torch.optim has no `optimizer` attribute: the guard is registered through the submodule.
+    monkeypatch.setattr(_overlap, "_pending", [])
+    monkeypatch.setattr(_overlap, "_hook", None)
+    _overlap.defer([], [])
+    assert _overlap._hook is not None
+    _overlap._hook.remove()
+
+
+def _record_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """(number of storages, whether the current stream waits) of each CopyPlans.run, in order."""
+    runs: list[tuple[int, bool]] = []
+    real = _plan.CopyPlans.run
+
+    def run(self: _plan.CopyPlans, to_host: bool, host_base: int, *args: Any, **kwargs: Any) -> Any:
+        stream_waits = kwargs.get("stream_waits", args[1] if len(args) > 1 else True)
+        runs.append((self.num_copies, stream_waits))
+        return real(self, to_host, host_base, *args, **kwargs)
+
+    monkeypatch.setattr(_plan.CopyPlans, "run", run)
+    return runs
+
+
+def test_overlap_copies_module_buffers_first_in_a_batch_the_stream_waits_for(arena, monkeypatch):
+    """BatchNorm's running statistics and num_batches_tracked change in the forward that overlap runs beside
+    the copy: they go first, in a batch of their own that later work waits for; the parameters (and an
+    optimizer's state) overlap."""
+    bn = torch.nn.BatchNorm1d(8)
+    bn(torch.randn(4, 8))
+    opt = torch.optim.Adam(bn.parameters())
+    bn(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    runs = _record_runs(monkeypatch)
+    snap = go.snapshot([bn, opt], overlap=True, arena=arena)
+    # 3 buffers; 2 parameters and their exp_avg, exp_avg_sq and step (6 storages)
+    assert runs == [(3, True), (8, False)], runs
+    expected = {f"0.{k}": v for k, v in bn.state_dict().items()}
+    host = snap.wait().tensors()
+    for name, value in expected.items():
+        assert_bitwise_equal(host[name], value)
+    del host
+    snap.free()
+    runs.clear()
+    go.snapshot(bn, arena=arena).free()  # without overlap: one batch, waited for
+    assert runs == [(5, True)]
+    runs.clear()
+    go.snapshot(torch.nn.Linear(4, 4), overlap=True, arena=arena).free()  # no buffers: one batch
+    assert runs == [(2, False)]
 
 
 # -- GPU: one scenario per defect -------------------------------------------------------------------------
