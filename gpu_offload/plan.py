@@ -65,7 +65,7 @@ class CopyPlans:
         try:
             for device, plan in self.groups:
                 count = len(events)
-                stream = _current_stream_handle(device) if device >= 0 else 0
+                stream = current_stream(device) if device >= 0 else 0
                 try:
                     plan.run_into(sinks, to_host, host_base, stream, wait_list, stream_waits and scope is None)
                 except BaseException:
@@ -81,7 +81,7 @@ class CopyPlans:
             raise
 
 
-def _current_stream_handle(device: int) -> int:
+def current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 

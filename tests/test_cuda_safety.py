@@ -243,7 +243,7 @@ def test_a_device_batch_interrupted_without_its_event_is_waited_for_before_the_r
     streams are synchronized before the error reaches the caller, who then frees the region."""
     state = {"w": torch.randn(1000)}
     synced: list[tuple[int, bool, int]] = []
-    monkeypatch.setattr(_plan, "_current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(_plan, "current_stream", lambda device: 0)
     monkeypatch.setattr(_plan, "synchronize_engine",
                         lambda device, to_host: synced.append((device, to_host, arena.used_bytes)))
     _interrupt_target_copies(monkeypatch, FakeEvent(), recorded=False, device=0)
