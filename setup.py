@@ -1,14 +1,20 @@
 """Builds gpu_offload._C with CMake and ninja.
 
+The CUDA backend talks to the driver (libcuda, loaded at run time) and needs no CUDA toolkit to build: g++
+builds the whole module. nvcc, where it is found, only adds the kernels' fatbin; without it the kernels are
+compiled by NVRTC at first use (or stay off, and the copy engines do every copy).
+
 Environment:
-  GPU_OFFLOAD_CUDA        auto (default: CUDA when nvcc is found) | 1 (require CUDA) | 0 (CPU-only build)
-  GPU_OFFLOAD_CUDA_ARCHS  CMake CUDA architectures, default "75-real;80-real;86-real;89-real;90-real;100-real;120-real;120"
+  GPU_OFFLOAD_CUDA        auto (default: the CUDA backend, with a fatbin when nvcc is found) | 1 (the same, and
+                          nvcc is required: the fatbin must be built) | 0 (CPU-only build, no CUDA backend)
+  GPU_OFFLOAD_CUDA_ARCHS  the fatbin's architectures, CMake syntax, default
+                          "75-real;80-real;86-real;89-real;90-real;100-real;120-real;120"
                           (SASS for T4, A100, A10/RTX 30, L4/L40/RTX 40, H100/H200, B200, RTX 50; PTX for 120)
   GPU_OFFLOAD_BUILD_DIR   where CMake builds (default: a folder under setuptools' build_temp, fresh for each
                           `pip install .`; `make` sets build/cmake, where the C++ unit tests run with ctest)
 
-The build prints one line saying whether the CUDA backend was compiled and why (pip shows it with -v;
-`gpu-offload info` and gpu_offload.build_info() say it at run time).
+The build prints one line saying what was built and why (pip shows it with -v; `gpu-offload info` and
+gpu_offload.build_info() say it at run time).
 """
 
 from __future__ import annotations
@@ -51,17 +57,17 @@ class CMakeBuild(build_ext):
             raise SystemExit(f"GPU_OFFLOAD_CUDA must be auto, 0 or 1, not {mode!r}")
         nvcc = find_nvcc() if mode != "0" else None
         if mode == "1" and nvcc is None:
-            raise SystemExit("GPU_OFFLOAD_CUDA=1 but nvcc was not found (set CUDACXX or put nvcc on PATH)")
-        with_cuda = nvcc is not None
-        if with_cuda:
-            why = "GPU_OFFLOAD_CUDA=1" if mode == "1" else "GPU_OFFLOAD_CUDA=auto and nvcc was found"
-            what = f"WITH the CUDA backend ({why}: {nvcc})"
-        elif mode == "0":
+            raise SystemExit("GPU_OFFLOAD_CUDA=1 but nvcc was not found for the kernels' fatbin (set CUDACXX or put "
+                             "nvcc on PATH; GPU_OFFLOAD_CUDA=auto builds without it, kernels then from NVRTC)")
+        with_cuda = mode != "0"
+        if not with_cuda:
             what = "CPU-ONLY, without the CUDA backend (GPU_OFFLOAD_CUDA=0)"
+        elif nvcc is not None:
+            what = f"WITH the CUDA backend (driver API) and the kernels' fatbin (nvcc: {nvcc})"
         else:
-            what = ("CPU-ONLY, without the CUDA backend (GPU_OFFLOAD_CUDA=auto and no nvcc on PATH, in CUDACXX or "
-                    "at /usr/local/cuda/bin/nvcc): CUDA tensors will be refused; install the CUDA toolkit and "
-                    "rebuild, or set GPU_OFFLOAD_CUDA=1 to make this an error")
+            what = ("WITH the CUDA backend (driver API), no fatbin: no nvcc on PATH, in CUDACXX or at "
+                    "/usr/local/cuda/bin/nvcc, so the kernels come from NVRTC at first use (torch's "
+                    "nvidia-cuda-nvrtc package), else the copy engines do every copy")
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         # A fresh folder per build unless one is named: a `pip install .` must not pick up a CMake cache
@@ -90,11 +96,16 @@ class CMakeBuild(build_ext):
         ]
         if shutil.which("ninja"):
             args.append("-GNinja")
-        if with_cuda:
-            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-            # Always passed: a value cached by an earlier configure must not outlive the variable.
+        # Always passed: a value cached by an earlier configure must not outlive the variable.
+        args.append(f"-DGPU_OFFLOAD_NVCC={nvcc or ''}")
+        # The driver declarations are checked against the toolkit's cuda.h where there is one.
+        headers = [Path(nvcc).resolve().parent.parent / "include",
+                   Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda") / "include"] if nvcc else []
+        include = next((h for h in headers if (h / "cuda.h").is_file()), "")
+        args.append(f"-DGPU_OFFLOAD_CUDA_INCLUDE={include}")
+        if nvcc:
             archs = os.environ.get("GPU_OFFLOAD_CUDA_ARCHS") or DEFAULT_CUDA_ARCHS
-            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+            args.append(f"-DGPU_OFFLOAD_CUDA_ARCHS={archs}")
             what += f", architectures {archs}"
         # print, not logging or warnings: this is the build script, and pip shows its output with -v.
         print(f"gpu_offload: building gpu_offload._C {what}", flush=True)

@@ -3,12 +3,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
 #include "core/arena.hpp"
 #include "core/checksum.hpp"
 #include "core/copy_plan.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/errors.hpp"
 #include "core/thread_pool.hpp"
+#ifdef GPU_OFFLOAD_WITH_CUDA
+#include "core/driver_api.hpp"
+#include "core/sim_driver.hpp"
+#endif
 
 #ifndef GPU_OFFLOAD_VERSION
 #define GPU_OFFLOAD_VERSION "0.0.0"
@@ -33,6 +39,99 @@ PinMode parse_pin_mode(const std::string& name) {
   throw Error("unknown pin mode '" + name + "' (expected auto, none, hostalloc or register)");
 }
 
+// What runs: the driver, its entry points, where each device's kernels came from.
+py::dict backend_info() {
+  cuda::BackendInfo i;
+  {
+    py::gil_scoped_release release;  // loading the driver and finding NVRTC take a moment
+    i = cuda::info();
+  }
+  py::dict d;
+  d["driver"] = i.driver;
+  d["driver_source"] = i.driver_source;
+  d["driver_error"] = i.driver_error;
+  d["driver_version"] = i.driver_version;
+  d["device_count"] = i.device_count;
+  d["entry_points"] = i.entry_points;
+  d["missing_entry_points"] = i.missing_entry_points;
+  d["batched_copies"] = i.batched_copies;
+  d["fatbin_architectures"] = i.fatbin_architectures;
+  d["nvrtc_path"] = i.nvrtc_path;
+  d["nvrtc_version"] = i.nvrtc_version;
+  d["nvrtc_error"] = i.nvrtc_error;
+  d["kernel_cache_dir"] = i.kernel_cache_dir;
+  py::list devices;
+  for (const auto& k : i.devices) {
+    py::dict e;
+    e["device"] = k.device;
+    e["source"] = k.source;
+    e["arch"] = k.arch;
+    e["error"] = k.error;
+    e["gather_regs"] = k.gather_regs;
+    e["checksum_regs"] = k.checksum_regs;
+    devices.append(e);
+  }
+  d["devices"] = devices;
+  d["num_deferred_pins"] = i.num_deferred_pins;
+  d["num_failed_pins"] = i.num_failed_pins;
+  d["pin_error"] = i.pin_error;
+  return d;
+}
+
+#ifdef GPU_OFFLOAD_WITH_CUDA
+// _C._sim: the simulated driver for tests (sim_driver.hpp). enable() must come before the first driver use.
+void bind_sim(py::module_& m) {
+  py::module_ s = m.def_submodule("_sim", "The simulated CUDA driver (tests): enable before the first driver use.");
+  s.def(
+      "enable",
+      [](int num_devices, int driver_version, bool batch, int sm_count, int cc, const std::string& kernels) {
+        sim::Config c;
+        c.num_devices = num_devices;
+        c.driver_version = driver_version;
+        c.batch = batch;
+        c.sm_count = sm_count;
+        c.cc_major = cc / 10;
+        c.cc_minor = cc % 10;
+        c.kernels = kernels;
+        if (sim::enabled()) return;  // already (the GPU_OFFLOAD_SIM environment variable, or an earlier call)
+        GO_CHECK(sim::enable(c), "the simulated driver must be enabled before the first CUDA driver use");
+      },
+      py::arg("num_devices") = 1, py::arg("driver_version") = 13000, py::arg("batch") = true, py::arg("sm_count") = 4,
+      py::arg("cc") = 90, py::arg("kernels") = "builtin");
+  s.def("enabled", [] { return drv::driver_loaded() && sim::enabled(); });
+  s.def("mem_alloc", &sim::mem_alloc, py::arg("device"), py::arg("num_bytes"));
+  s.def("mem_free", &sim::mem_free, py::arg("ptr"));
+  s.def("stream_create", &sim::stream_create, py::arg("device"));
+  s.def("gate", &sim::gate, py::arg("stream"));
+  s.def("release", &sim::release, py::arg("gate"));
+  s.def("set_delay", &sim::set_delay, py::arg("stream"), py::arg("seconds"));
+  s.def("enqueue_fill", &sim::enqueue_fill, py::arg("device"), py::arg("stream"), py::arg("ptr"), py::arg("value"),
+        py::arg("num_bytes"));
+  s.def("synchronize", &sim::synchronize, py::call_guard<py::gil_scoped_release>());
+  s.def("fail", &sim::fail, py::arg("entry"), py::arg("nth"), py::arg("result"));
+  s.def("clear_failures", &sim::clear_failures);
+  s.def("calls", &sim::calls, py::arg("entry"));
+  s.def("begin_capture", &sim::begin_capture, py::arg("stream"), py::arg("mode") = 0);
+  s.def("end_capture", &sim::end_capture, py::arg("stream"));
+  s.def("capture_status", &sim::capture_status, py::arg("stream"));
+  s.def("sticky_error", &sim::sticky_error, py::arg("device"));
+  s.def("host_mapped", &sim::host_mapped, py::arg("ptr"), py::arg("num_bytes"));
+  s.def("primary_context_active", &drv::primary_context_active, py::arg("device"));
+  s.def("kernel_launches", &sim::kernel_launches);
+  s.def(
+      "read",
+      [](std::uintptr_t ptr, std::size_t n) { return py::bytes(reinterpret_cast<const char*>(ptr), n); },
+      py::arg("ptr"), py::arg("num_bytes"));
+  s.def(
+      "write",
+      [](std::uintptr_t ptr, const py::bytes& data) {
+        const std::string b = data;
+        std::memcpy(reinterpret_cast<void*>(ptr), b.data(), b.size());
+      },
+      py::arg("ptr"), py::arg("data"));
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -51,8 +150,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &cuda::compiled);
   m.def("cuda_available", &cuda::available, py::call_guard<py::gil_scoped_release>());
   m.def("device_count", &cuda::device_count, py::call_guard<py::gil_scoped_release>());
-  m.def("cuda_runtime_version", &cuda::runtime_version);
   m.def("cuda_architectures", &cuda::architectures);
+  m.def("cuda_info", &backend_info, "The CUDA driver, its entry points and each device's kernels (a dict).");
+  m.def("_set_library_dirs", &cuda::set_library_dirs, py::arg("dirs"),
+        "Folders such as site-packages/nvidia, searched for libnvrtc (read when NVRTC is first needed).");
+  m.def("engine_synchronize", &cuda::engine_synchronize, py::arg("device"), py::arg("to_host"),
+        "Waits for everything enqueued on the device's copy-engine and kernel streams of one direction.",
+        py::call_guard<py::gil_scoped_release>());
   m.def("available_host_memory", &available_host_memory);
   m.def("engine_streams", &cuda::engine_streams, py::arg("device"),
         "The engine's streams on a device as cudaStream_t integers: copy D2H, copy H2D, kernel D2H, kernel H2D.",
@@ -67,7 +171,7 @@ PYBIND11_MODULE(_C, m) {
       "A writable view of host memory the caller owns (an arena region); it must not outlive the region.");
 
   py::class_<cuda::Event, cuda::EventPtr>(m, "Event")
-      .def("query", &cuda::Event::query)
+      .def("query", &cuda::Event::query, py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &cuda::Event::synchronize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("device", &cuda::Event::device);
 
@@ -77,13 +181,27 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("max_bytes"), py::arg("min_slab_bytes"), py::arg("pin_mode"))
       .def("allocate", &HostArena::allocate, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
-      .def("free", &HostArena::free, py::arg("ptr"))
+      // Every method that takes the arena's mutex releases the GIL: another thread may hold it for seconds
+      // while it pins a slab, and waiting for it with the GIL would freeze every Python thread.
+      .def("free", &HostArena::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def("reserve", &HostArena::reserve, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("trim", &HostArena::trim, py::call_guard<py::gil_scoped_release>())
-      .def("region_bytes", &HostArena::region_bytes, py::arg("ptr"))
-      .def_property_readonly("pin_mode", [](const HostArena& a) { return to_string(a.pin_mode()); })
+      .def("region_bytes", &HostArena::region_bytes, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("pin_mode",
+                             [](const HostArena& a) {
+                               PinMode mode;
+                               {
+                                 py::gil_scoped_release release;
+                                 mode = a.pin_mode();
+                               }
+                               return to_string(mode);
+                             })
       .def("stats", [](const HostArena& a) {
-        ArenaStats s = a.stats();
+        ArenaStats s;
+        {
+          py::gil_scoped_release release;
+          s = a.stats();
+        }
         py::dict d;
         d["capacity_bytes"] = s.capacity_bytes;
         d["used_bytes"] = s.used_bytes;
@@ -158,7 +276,7 @@ PYBIND11_MODULE(_C, m) {
         "Checksums of host buffers (pointers and byte counts), one 64-bit value each.",
         py::call_guard<py::gil_scoped_release>());
   py::class_<cuda::ChecksumJob, std::shared_ptr<cuda::ChecksumJob>>(m, "ChecksumJob")
-      .def("done", &cuda::ChecksumJob::query)
+      .def("done", &cuda::ChecksumJob::query, py::call_guard<py::gil_scoped_release>())
       .def("result", &cuda::ChecksumJob::wait, "Blocks until the sums are on the host; the checksums.",
            py::call_guard<py::gil_scoped_release>());
   m.def("checksum_device_async", &cuda::checksum_device_async, py::arg("device"), py::arg("ptrs"), py::arg("sizes"),
@@ -167,4 +285,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("checksum_device", &cuda::checksum_device, py::arg("device"), py::arg("ptrs"), py::arg("sizes"),
         py::arg("stream") = 0, "Checksums of device buffers, computed on `stream` and waited for.",
         py::call_guard<py::gil_scoped_release>());
+#ifdef GPU_OFFLOAD_WITH_CUDA
+  bind_sim(m);
+#endif
 }

@@ -48,14 +48,18 @@ def cuda_available() -> bool:
 
 
 def build_info() -> dict[str, Any]:
-    """How the extension was built: version, CUDA compiled in, CUDA runtime version, architectures."""
+    """How the extension was built and what of CUDA it finds: version, whether the CUDA backend is in, the
+    fatbin's architectures, and (loading the driver, creating no context) the driver's version, the entry
+    points found, whether copies are batched, NVRTC, and where each device's kernels came from once its
+    streams exist (fatbin, NVRTC, or none: the copy engines then do every copy)."""
     compiled = bool(_C.cuda_compiled())
     archs = _C.cuda_architectures()
+    cuda = _C.cuda_info() if compiled else None
     return {
         "version": __version__,
         "core_version": _C.version(),
         "cuda": compiled,
-        "cuda_runtime_version": int(_C.cuda_runtime_version()) if compiled else None,
         "cuda_architectures": [a for a in archs.split(",") if a] if compiled else [],
+        "cuda_driver": cuda,
         "arena_alignment": int(_C.ARENA_ALIGNMENT),
     }

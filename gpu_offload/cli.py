@@ -433,6 +433,33 @@ def info_dict() -> dict:
     }
 
 
+def driver_summary(build: dict) -> str:
+    """One line for build_info()["cuda_driver"]: the driver's version and how copies are enqueued."""
+    d = build.get("cuda_driver")
+    if not d:
+        return "-"
+    if not d["driver"]:
+        return "none" + (" (simulated)" if d["driver_source"] == "simulated" else "")
+    v = d["driver_version"]
+    how = "batched copies" if d["batched_copies"] else "one call per copy"
+    return f"{v // 1000}.{v % 1000 // 10}, {how}" + (" (simulated)" if d["driver_source"] == "simulated" else "")
+
+
+def kernels_summary(build: dict) -> str:
+    """Where the gather and checksum kernels come from: the fatbin, NVRTC at first use, or none."""
+    d = build.get("cuda_driver")
+    if not d:
+        return "-"
+    loaded = ", ".join(f"cuda:{k['device']} {k['source']} {k['arch']}" for k in d["devices"])
+    if loaded:
+        return loaded
+    if d["fatbin_architectures"]:
+        return "fatbin"
+    if d["nvrtc_path"]:
+        return f"NVRTC {d['nvrtc_version']} at first use"
+    return "none: copy engines only"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -441,7 +468,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     b = info["build"]
     table.add_row("version", b["version"])
     table.add_row("built with CUDA", str(b["cuda"]))
-    table.add_row("CUDA runtime", str(b["cuda_runtime_version"]))
+    table.add_row("CUDA driver", driver_summary(b))
+    table.add_row("kernels", kernels_summary(b))
     table.add_row("architectures", ", ".join(b["cuda_architectures"]) or "-")
     table.add_row("torch / python", f"{info['torch']} / {info['python']}")
     table.add_row("CUDA available", str(info["cuda_available"]))

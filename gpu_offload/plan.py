@@ -38,6 +38,12 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def current_stream(device: int) -> int:
+    """The handle of `device`'s current stream, which the copies are ordered after (tests on the simulated
+    driver point this at a simulated stream: the one place plan.py asks torch for a stream)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class CopyPlans:
     """The copies for one target layout, one _C.CopyPlan per device."""
 
@@ -81,10 +87,6 @@ class CopyPlans:
             raise
 
 
-def current_stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def _settle(device: int, to_host: bool) -> None:
     try:
         synchronize_engine(device, to_host)
@@ -95,13 +97,7 @@ def _settle(device: int, to_host: bool) -> None:
 def synchronize_engine(device: int, to_host: bool) -> None:
     """Blocks until everything enqueued on the engine's streams of one direction on `device` (copy engine and
     gather kernel) has finished: the belt for a batch whose event was lost."""
-    native = getattr(_C, "engine_synchronize", None)
-    if native is not None:
-        native(device, to_host)
-        return
-    streams = _C.engine_streams(device)
-    for handle in (streams[0], streams[2]) if to_host else (streams[1], streams[3]):
-        torch.cuda.ExternalStream(handle, device=device).synchronize()
+    _C.engine_synchronize(device, to_host)
 
 
 _ENQUEUED = "_gpu_offload_enqueued"
@@ -157,7 +153,7 @@ def join(events: Sequence[Any]) -> None:
             by_device.setdefault(e.device, []).append(e)
     for device, evs in by_device.items():
         # An empty batch that waits for the events and that the current stream then waits for.
-        _C.CopyPlan(device, [], [], []).run(True, 0, torch.cuda.current_stream(device).cuda_stream, evs, True)
+        _C.CopyPlan(device, [], [], []).run(True, 0, current_stream(device), evs, True)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,9 @@ import gpu_offload as go
 
 _MIB = 1 << 20
 
+# tests/sim runs on the simulated driver, in a process of its own (test_sim_driver.py starts it).
+collect_ignore = [] if os.environ.get("GPU_OFFLOAD_SIM") else ["sim"]
+
 
 def _cuda_ok() -> bool:
     return go.cuda_available() and torch.cuda.is_available()

@@ -225,7 +225,10 @@ def test_info(workdir: Path) -> None:
     build = go.build_info()
     assert fields["version"] == go.__version__
     assert fields["built with CUDA"] == str(build["cuda"])
-    assert fields["CUDA runtime"] == str(build["cuda_runtime_version"])
+    from gpu_offload.cli import driver_summary, kernels_summary
+
+    assert fields["CUDA driver"] == driver_summary(build)
+    assert fields["kernels"] == kernels_summary(build)
     assert fields["architectures"] == (", ".join(build["cuda_architectures"]) or "-")
     assert fields["torch / python"].startswith(torch.__version__ + " / 3.")
     assert fields["CUDA available"] == str(go.cuda_available())

@@ -83,8 +83,9 @@ cuda::EventPtr CopyPlan::run(Direction direction, std::uintptr_t host_base, std:
     run_host(direction, host_base);
     return nullptr;
   }
-  // The kernel reaches host memory through its mapped address: only a pinned, mapped region qualifies.
-  const bool use_kernel = num_kernel_copies_ != 0 && cuda::is_mapped_host(device_, host_base);
+  // The kernel reaches host memory through its mapped address: only a pinned, mapped region qualifies, and
+  // only where the device has the kernel loaded.
+  const bool use_kernel = num_kernel_copies_ != 0 && cuda::can_gather(device_, host_base);
   cuda::Batch batch;
   batch.to_host = direction == Direction::kToHost;
   batch.host_base = host_base;

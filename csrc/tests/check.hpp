@@ -19,8 +19,21 @@ inline std::vector<std::pair<std::string, std::function<void()>>>& registry() {
 struct Register {
   Register(const char* name, std::function<void()> fn) { registry().emplace_back(name, std::move(fn)); }
 };
-inline int run_all() {
+// Runs every case, or only those named on the command line (ctest runs each sim_* case on its own).
+inline int run_all(int argc = 0, char** argv = nullptr) {
+  std::vector<std::string> only(argv != nullptr ? argv + 1 : argv, argv != nullptr ? argv + argc : argv);
+  for (const std::string& name : only) {
+    bool known = false;
+    for (auto& entry : registry()) known = known || entry.first == name;
+    if (!known) {
+      std::printf("no test case named %s\n", name.c_str());
+      return 1;
+    }
+  }
   for (auto& [name, fn] : registry()) {
+    bool selected = only.empty();
+    for (const std::string& o : only) selected = selected || o == name;
+    if (!selected) continue;
     const int before = failures();
     try {
       fn();
