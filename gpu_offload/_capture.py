@@ -1,26 +1,18 @@
 """CUDA graph capture: what the engine refuses under it, and how it queries events without breaking it.
 
 Under `torch.cuda.graph(...)` (or `CUDAGraph.capture_begin`) the engine's streams would join the capture
-(host and chunk-table addresses baked into the graph, replayed later into whatever lives there then), and
-`cudaEventQuery` / `cudaEventSynchronize` are illegal in the capturing thread in torch's default ("global")
-capture mode: they fail and invalidate the capture. So every public entry refuses while the current stream
-captures, and the bookkeeping that queries events (arena reaping, the overlap join) skips or relaxes its
-queries there, as torch's caching allocator skips its own.
+(host and chunk-table addresses baked into the graph, replayed later into whatever lives there then). So
+every public entry refuses while the current stream captures, before anything is allocated or enqueued (the
+core refuses a capturing stream too, as a last check). Event queries and waits run in relaxed capture mode
+in the core (in torch's default "global" mode they would fail and invalidate the capture); the arena still
+checks no event while the caller captures, as torch's caching allocator does, and reaps later.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import threading
-from typing import Any, Iterator, Optional
-
 import torch
 
 from ._errors import OffloadError
-
-logger = logging.getLogger("gpu_offload")
 
 ADVICE = ("call gpu_offload.join() and wait for snapshots (snap.wait()) before capturing, and snapshot, restore, "
           "offload, reload or swap outside the capture")
@@ -42,42 +34,3 @@ def refuse(op: str) -> None:
     if capturing():
         raise OffloadError(f"cannot {op} while the current CUDA stream is capturing a CUDA graph "
                            f"(torch.cuda.graph): the copies cannot be part of a graph; {ADVICE}")
-
-
-# -- relaxed capture mode -------------------------------------------------------------------------------
-# cuThreadExchangeStreamCaptureMode (driver API): a thread in relaxed mode may query events recorded
-# outside a capture while it, or another thread, captures (torch does the same around cudaMalloc).
-_RELAXED = 2
-_lib_lock = threading.Lock()
-_exchange: Optional[Any] = None
-_exchange_loaded = False
-
-
-def _exchange_fn() -> Optional[Any]:
-    global _exchange, _exchange_loaded
-    with _lib_lock:
-        if not _exchange_loaded:
-            _exchange_loaded = True
-            try:
-                fn = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
-                fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-                fn.restype = ctypes.c_int
-                _exchange = fn
-            except (OSError, AttributeError) as exc:
-                logger.debug("cuThreadExchangeStreamCaptureMode is not available: %s", exc)
-        return _exchange
-
-
-@contextlib.contextmanager
-def relaxed() -> Iterator[bool]:
-    """The calling thread in relaxed capture mode for the block (yields False, changing nothing, where CUDA
-    is not initialized or the driver cannot be reached)."""
-    fn = _exchange_fn() if torch.cuda.is_initialized() else None
-    mode = ctypes.c_int(_RELAXED)
-    if fn is None or fn(ctypes.byref(mode)) != 0:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        fn(ctypes.byref(mode))  # back to the thread's previous mode

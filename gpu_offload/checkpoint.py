@@ -168,7 +168,7 @@ class ArenaStager(AsyncStager):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu_offload-stager")
             # The worker holds the snapshot only until the staged dict (whose views keep it) is built.
-            future = self._executor.submit(_build_relaxed, build, snap)
+            future = self._executor.submit(lambda s=snap: build(s.state_dict()))
             del snap
             self._pending.append(future)
         return future
@@ -207,13 +207,6 @@ class ArenaStager(AsyncStager):
 
     def __repr__(self) -> str:
         return f"ArenaStager(overlap={self._overlap}, staged_bytes={self.staged_bytes}, arena={self.arena!r})"
-
-
-def _build_relaxed(build: Callable[[dict[str, torch.Tensor]], Any], snap: Any) -> Any:
-    # The worker waits for the copy while the training thread may be capturing a CUDA graph: in relaxed
-    # capture mode that wait (on an event recorded outside any capture) does not invalidate the capture.
-    with _capture.relaxed():
-        return build(snap.state_dict())
 
 
 def _done(value: Any) -> "Future[Any]":

@@ -18,8 +18,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
 from . import _capture
 from . import plan as _plan
 from ._errors import OffloadError
@@ -38,7 +36,7 @@ _hook: Any = None
 
 
 def _current_stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return _plan.current_stream(device)
 
 
 def _in_flight(entry: _Entry) -> list[Any]:
@@ -80,10 +78,10 @@ def join() -> None:
 
 
 def _join_capturing() -> None:
-    # The events were recorded outside the capture: in relaxed mode this thread may query them without
-    # invalidating the capture (in the default mode a query fails and ends it).
-    with _lock, _capture.relaxed() as relaxed:
-        running = [e for entry in _pending for e in _in_flight(entry)] if relaxed else list(_pending)
+    # The events were recorded outside the capture: the core queries them in relaxed capture mode, which
+    # does not invalidate the capture (a query in the default mode would end it).
+    with _lock:
+        running = [e for entry in _pending for e in _in_flight(entry)]
         if not running:
             _pending[:] = []
             return
