@@ -177,6 +177,7 @@ TEST_CASE(sim_fork_orders_kernel_and_engines_after_the_callers_stream) {
     });
   }
   cuda::EventPtr done = s.plan(kGather).run(Direction::kToHost, region, user, {}, true);
+  pause();  // time for a stream that wrongly does not wait to run ahead
   CHECK(!done->query());
   sim::release(gate);
   done->synchronize();
@@ -512,10 +513,18 @@ TEST_CASE(sim_checksum_pool_is_bounded) {
   sim::set_delay(user, 0.01);
   const std::size_t before = sim::calls("cuMemHostAlloc");
   std::vector<std::shared_ptr<cuda::ChecksumJob>> jobs;
-  for (std::size_t i = 0; i < cuda::kMaxPooledBlocks + 4; ++i) jobs.push_back(cuda::checksum_device_async(0, s.ptrs, s.sizes, user));
+  std::vector<std::vector<std::uint64_t>> expected;
+  std::vector<unsigned char> first(s.sizes[0]);
+  for (std::size_t i = 0; i < cuda::kMaxPooledBlocks + 4; ++i) {
+    // Each job sums other data (the stream rewrites the first storage before it), so sums read out of
+    // the wrong block are wrong.
+    sim::enqueue_fill(0, user, s.ptrs[0], static_cast<unsigned char>(i + 1), s.sizes[0]);
+    std::memset(first.data(), static_cast<int>(i + 1), first.size());
+    expected.push_back(checksum_host({reinterpret_cast<std::uintptr_t>(first.data()), s.ptrs[1]}, s.sizes));
+    jobs.push_back(cuda::checksum_device_async(0, s.ptrs, s.sizes, user));
+  }
   CHECK(sim::calls("cuMemHostAlloc") - before == cuda::kMaxPooledBlocks);
-  const auto expected = checksum_host(s.ptrs, s.sizes);
-  for (auto& j : jobs) CHECK(j->wait() == expected);  // also those whose blocks were taken over
+  for (std::size_t i = 0; i < jobs.size(); ++i) CHECK(jobs[i]->wait() == expected[i]);  // taken-over blocks too
 }
 
 TEST_CASE(sim_kernels_off_leaves_the_copy_engines) {
