@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+
 from . import _capture
 from . import plan as _plan
 from ._errors import OffloadError
@@ -27,7 +29,7 @@ from ._errors import OffloadError
 class _Entry:
     events: list[Any]  # one per device
     sources: list[Any]  # the source storages: alive until the copies have read them
-    joined: set[tuple[int, int]] = field(default_factory=set)  # (device, stream) already waiting
+    joined: set[tuple[int, int]] = field(default_factory=set)  # (device, torch's own stream) already waiting
 
 
 _pending: list[_Entry] = []
@@ -37,6 +39,17 @@ _hook: Any = None
 
 def _current_stream(device: int) -> int:
     return _plan.current_stream(device)
+
+
+def _stream_lasts(device: int) -> bool:
+    """Whether the current stream lives as long as the process: torch's default stream and pool streams do
+    (their stream_id is 0 or odd). An external one (torch.cuda.ExternalStream over another library's) may
+    be destroyed and its handle reused by a new stream, which must then wait too: it is not remembered."""
+    try:
+        stream_id = torch.cuda.current_stream(device).stream_id
+    except Exception:  # no torch CUDA (the simulated driver's tests): remember nothing
+        return False
+    return stream_id == 0 or bool(stream_id & 1)
 
 
 def _in_flight(entry: _Entry) -> list[Any]:
@@ -70,7 +83,8 @@ def join() -> None:
             for event in running:
                 key = (event.device, _current_stream(event.device))
                 if key not in entry.joined:
-                    entry.joined.add(key)
+                    if _stream_lasts(event.device):  # a handle that cannot be reused by another stream
+                        entry.joined.add(key)
                     todo.append(event)
         _pending[:] = still
         if todo:
