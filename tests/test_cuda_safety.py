@@ -740,8 +740,9 @@ def test_6_gather_and_checksum_need_no_device_memory(arena, monkeypatch):
     try:
         raw = _fill_rest_raw(lib)
         left = torch.cuda.mem_get_info()[0]
-        # A device allocation takes at least a 2 MiB page: none is left.
-        assert left < 2 * _MIB, f"could not fill the device: {left} bytes still free"
+        # Not even 4 KiB more can be allocated now; what the driver still counts as free is a few pages at
+        # most (torch alone left up to a 20 MiB segment, enough for the old code's KiB-sized allocations).
+        assert left < 8 * _MIB, f"could not fill the device: {left} bytes still free"
         snap = go.snapshot(state, arena=arena, checksum=True)
         snap.verify()
         for k in state:
