@@ -236,7 +236,42 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("to_host"), py::arg("host_base"), py::arg("stream") = 0,
           py::arg("waits") = std::vector<cuda::EventPtr>{}, py::arg("stream_waits") = true,
-          py::call_guard<py::gil_scoped_release>());
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run_into",
+          [](const CopyPlan& plan, const py::tuple& sinks, bool to_host, std::uintptr_t host_base,
+             std::uintptr_t stream, const std::vector<cuda::EventPtr>& waits, bool stream_waits) {
+            // "Enqueued" and "recorded" in one step: CPython raises a pending KeyboardInterrupt (a signal,
+            // ray.cancel) as a C call returns and drops its result, so the event of a batch that is already
+            // running would be lost with it. Here it is in the caller's lists before the call returns.
+            std::vector<py::list> lists;
+            lists.reserve(sinks.size());
+            for (const auto& sink : sinks) {
+              if (!py::isinstance<py::list>(sink)) throw py::type_error("run_into: sinks must be a tuple of lists");
+              lists.push_back(py::reinterpret_borrow<py::list>(sink));
+            }
+            cuda::EventPtr event;
+            {
+              py::gil_scoped_release release;
+              event = plan.run(to_host ? Direction::kToHost : Direction::kToDevice, host_base, stream, waits,
+                               stream_waits);
+            }
+            if (!event) return;  // the host path: complete already
+            try {
+              py::object handle = py::cast(event);
+              for (auto& list : lists) list.append(handle);
+            } catch (...) {
+              // The event cannot be handed over (out of memory): the caller would free the region under the
+              // copy, so the copy must be over before the error reaches it.
+              py::gil_scoped_release release;
+              event->synchronize();
+              throw;
+            }
+          },
+          py::arg("sinks"), py::arg("to_host"), py::arg("host_base"), py::arg("stream") = 0,
+          py::arg("waits") = std::vector<cuda::EventPtr>{}, py::arg("stream_waits") = true,
+          "As run(), but appends the completion event (if any) to every list in `sinks` before returning, "
+          "so that no interrupt can fall between the enqueue and its record; returns None.");
 
   // -- checksums (integrity) ------------------------------------------------------------------------
   m.def("checksum_host", &checksum_host, py::arg("ptrs"), py::arg("sizes"),

@@ -9,10 +9,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
 
 import torch
 
+from . import _capture
 from . import integrity as _integrity
 from . import overlap as _overlap
 from . import plan as _plan
@@ -23,7 +25,7 @@ from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
-from .storages import bind, extent_problem, match, unwrap
+from .storages import PLAIN_TENSOR_TYPES, bind, extent_problem, match, unwrap
 
 logger = logging.getLogger("gpu_offload")
 
@@ -85,20 +87,27 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         checksum: also record a checksum of every storage, computed from the source as it is copied (on a
             GPU by a kernel enqueued just before the copy); `Snapshot.verify()`, `restore(verify=True)`
             and `load` check against it. See gpu_offload.integrity.
-        overlap: let work enqueued after this call (a forward and backward, which read the weights but
-            do not change them) run alongside the copy instead of waiting for it. The source storages
-            are kept alive until the copy has read them. The next `optimizer.step()` of any optimizer,
-            and any restore/offload/reload/swap, waits for the copy on the GPU first (each thread's
-            current stream for itself), so the snapshot stays the state as of this call. Anything
-            else that changes the weights in place must call `gpu_offload.join()` on its stream first:
-            an EMA update, Megatron's overlapped parameter all-gather, a manual `p.data.copy_()`.
-            Gradients are written in place before the step (`GradScaler.unscale_`, `clip_grad_norm_`,
-            the next backward), so `overlap=True` refuses `include_grads=True`.
+        overlap: let work enqueued after this call (a forward and backward, which read the parameters
+            without changing them) run alongside the copy of the parameters and optimizer state instead of
+            waiting for it. A forward does write module buffers in place (BatchNorm running statistics
+            and num_batches_tracked, normalizers registered as buffers): those of the modules in the
+            target are copied first, in a batch of their own that later work on the current stream does
+            wait for (they are small). Tensors given in a Mapping are taken as the caller names them,
+            not as buffers: snapshot the module itself if a forward writes some of them. The source
+            storages are kept alive until the copy has read them. The next `optimizer.step()` of any
+            optimizer, and any restore/offload/reload/swap, waits for the copy on the GPU first (each
+            thread's current stream for itself), so the snapshot stays the state as of this call.
+            Anything else that changes the parameters in place must call `gpu_offload.join()` on its
+            stream first: an EMA update, Megatron's overlapped parameter all-gather, a manual
+            `p.data.copy_()`. Gradients are written in place before the step (`GradScaler.unscale_`,
+            `clip_grad_norm_`, the next backward), so `overlap=True` refuses `include_grads=True`.
 
     Raises:
         OffloadError: unsupported target or tensor, an offloaded target, `overlap=True` with
-            `include_grads=True`, or arena/host memory exhausted.
+            `include_grads=True`, a current CUDA stream that is capturing a graph, or arena/host memory
+            exhausted.
     """
+    _capture.refuse("snapshot")
     if overlap and include_grads:
         raise OffloadError("snapshot(overlap=True) cannot include gradients: they are written in place "
                            "before the optimizer step (GradScaler.unscale_, clip_grad_norm_, the next "
@@ -109,12 +118,19 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     with _registry.lock:  # an offload in another thread cannot release the storages under the copy
         resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
         layout = resolved.layout
-        plans = resolved.plan.copies()
+        if overlap:
+            plans, buffers = resolved.plan.overlap_copies(_buffer_indices(target, resolved))
+        else:
+            plans, buffers = resolved.plan.copies(), None
         region = arena._allocate(layout.host_bytes)
         try:
             # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
-            events = plans.run(True, region.ptr, stream_waits=not overlap)
+            # Each event lands in the region's own list inside the call that enqueues its batch: whatever
+            # interrupts this from here on, the region is not reused before the copy has written it.
+            events = [] if buffers is None else buffers.run(True, region.ptr, record=(region._pending,))
+            events += plans.run(True, region.ptr, stream_waits=not overlap, record=(region._pending,))
+            snap = Snapshot(layout, region, events, sums, include_grads=include_grads)
         except BaseException as exc:
             region.release(_plan.enqueued(exc))  # copies another device enqueued finish first
             raise
@@ -125,12 +141,32 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             _plan.mark_in_use(_first_views(resolved), to_host=True)
             _overlap.defer(events, resolved.storages())
         except BaseException:
-            region.release(events)
+            snap.free()
             raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
-    snap = Snapshot(layout, region, events, sums, include_grads=include_grads)
     snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
     return snap
+
+
+def _modules_in(target: Any) -> Iterator[torch.nn.Module]:
+    """The nn.Modules a target holds: itself, or in its lists, tuples and mappings (not submodules)."""
+    if isinstance(target, torch.nn.Module):
+        yield target
+    elif isinstance(target, (list, tuple)):
+        for item in target:
+            yield from _modules_in(item)
+    elif isinstance(target, Mapping) and not set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
+        for value in target.values():
+            yield from _modules_in(value)
+
+
+def _buffer_indices(target: Any, resolved: _plan.Resolved) -> tuple[int, ...]:
+    """The target's storages that hold buffers of its modules (a forward may write those in place)."""
+    keys = {unwrap(b).untyped_storage()._cdata
+            for module in _modules_in(target) for b in torch.nn.Module.buffers(module) if b is not None}
+    if not keys:
+        return ()
+    return tuple(i for i, key in enumerate(resolved.plan.keys) if key in keys)
 
 
 def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
@@ -144,9 +180,11 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
 
     Raises:
         LayoutMismatchError: names, shapes, dtypes, devices or storage sizes differ (nothing is copied).
-        OffloadError: the snapshot was freed, or the target is offloaded; with verify, a corrupt host copy
-            (nothing is copied) or restored data that differs from the source (named in the message).
+        OffloadError: the snapshot was freed, the target is offloaded, or the current CUDA stream is
+            capturing a graph; with verify, a corrupt host copy (nothing is copied) or restored data that
+            differs from the source (named in the message).
     """
+    _capture.refuse("restore")
     if not isinstance(snap, Snapshot):
         raise OffloadError(f"restore needs a Snapshot, got {type(snap).__qualname__}")
     join()  # overlapped snapshots must have read the weights before they change
@@ -170,7 +208,9 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         region = snap._use()
         events: list[Any] = []
         try:
-            events = plans.run(False, region.ptr, waits=snap._pending())
+            # The region's list gets the event as the batch is enqueued: a free() cannot hand the region
+            # out while this copy reads it, whatever interrupts the rest.
+            events = plans.run(False, region.ptr, waits=snap._pending(), record=(region._pending,))
         except BaseException as exc:
             events = _plan.enqueued(exc)  # copies another device enqueued still read the region
             raise
@@ -204,8 +244,10 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
 
     Raises:
         OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
-            that cannot be resized, or arena/host memory exhausted. Nothing has changed then.
+            that cannot be resized, a current CUDA stream that is capturing a graph, or arena/host memory
+            exhausted. Nothing has changed then.
     """
+    _capture.refuse("offload")
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
@@ -224,7 +266,7 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         region = arena._allocate(layout.host_bytes, users=len(live))
         try:
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
-            events = plans.run(True, region.ptr)
+            events = plans.run(True, region.ptr, record=(region._pending,))
         except BaseException as exc:
             region.release_all(_plan.enqueued(exc))  # after copies other devices enqueued
             raise
@@ -260,8 +302,13 @@ def reload(target: Any, *, verify: bool = False) -> None:
         OffloadError: nothing in the target is offloaded, or the device is out of memory (then the target
             stays offloaded with its data intact, and a retry after freeing memory succeeds); with verify,
             a corrupt host copy (named in the message; nothing is written and the target stays offloaded
-            with its host copy as it is) or reloaded data that differs from the source.
+            with its host copy as it is) or reloaded data that differs from the source; or the current
+            CUDA stream is capturing a graph.
+
+    The storages come back at new device addresses: a CUDA graph captured before the offload still
+    points at the old ones and must be captured again after the reload.
     """
+    _capture.refuse("reload")
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     named = named_tensors(target, include_grads=True)
@@ -356,8 +403,10 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_g
     Raises:
         OffloadError: `in_target` has nothing offloaded, `out_target` cannot be offloaded (then nothing
             has moved), or the device is out of memory even for the sequential fallback (then
-            `out_target` is offloaded and `in_target` still offloaded, its data intact).
+            `out_target` is offloaded and `in_target` still offloaded, its data intact); or the current
+            CUDA stream is capturing a graph.
     """
+    _capture.refuse("swap")
     join()
     start = time.perf_counter()
     # Validate both before anything moves.
@@ -405,7 +454,7 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
             storage.resize_(spec.nbytes)
         entries = [(spec.device, storage.data_ptr(), spec.host_offset, spec.nbytes) for spec, storage in released]
         try:
-            back = _plan.build_copies(entries).run(False, region.ptr, waits=events)
+            back = _plan.build_copies(entries).run(False, region.ptr, waits=events, record=(region._pending,))
         except BaseException as exc:
             region.release_all(list(events) + _plan.enqueued(exc))
             raise

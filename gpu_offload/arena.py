@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Optional, Sequence
 
+from . import _capture
 from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
@@ -26,6 +29,31 @@ def _env_int(name: str) -> Optional[int]:
     if value is None or value == "":
         return None
     return parse_bytes(value, name)
+
+
+_warned_query = False
+
+
+def _done(event: Any) -> bool:
+    """Whether a copy's event has completed. A query that raises (an event recorded in a CUDA graph capture,
+    a device in an error state) counts as not complete: the region stays deferred instead of every later
+    call of the arena raising."""
+    global _warned_query
+    try:
+        return bool(event.query())
+    except Exception as exc:
+        if not _warned_query:
+            _warned_query = True
+            logger.warning("gpu_offload: an event query failed (%s); the region it guards stays reserved", exc)
+        return False
+
+
+def _drop_done(events: list[Any]) -> None:
+    """Removes completed events from a list in place, leaving any appended meanwhile (the engine appends to
+    a region's list from C code, outside the arena's lock). Under capture nothing is queried."""
+    if events and not _capture.capturing():
+        for e in [e for e in events if _done(e)]:
+            events.remove(e)
 
 
 class Region:
@@ -57,9 +85,9 @@ class Region:
             if self._users > 0:
                 # Kept for the last user: e.g. a freed snapshot's restores, while views still hold it.
                 # (Completed copies are dropped: a snapshot restored every step keeps no growing list.)
-                self._pending = [e for e in self._pending if not e.query()]
+                _drop_done(self._pending)
                 known = {id(e) for e in self._pending}
-                self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
+                self._pending.extend(e for e in pending if e is not None and id(e) not in known)
                 return
             self.arena._free_box(self._box, list(self._pending) + list(pending))
 
@@ -129,6 +157,7 @@ class Arena:
         self._lock = threading.RLock()
         self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
         self._orphans: list[tuple[list[int], list[Any]]] = []  # regions dropped unreleased (Region.__del__)
+        _live.add(self)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -197,7 +226,10 @@ class Arena:
     def _free_box(self, box: list[int], pending: Sequence[Any]) -> None:
         """Returns a region's memory (now, or once `pending` copies finished). The pointer leaves the
         region's box inside C code (map, list.pop), so an interrupt can neither lose it nor free it twice."""
-        events = [e for e in pending if e is not None and not e.query()]
+        if _capture.capturing():  # no query may run in a capturing thread: defer all, reap later
+            events = [e for e in pending if e is not None]
+        else:
+            events = [e for e in pending if e is not None and not _done(e)]
         with self._lock:
             if not box:
                 return
@@ -212,23 +244,77 @@ class Arena:
         collections.deque(map(self._impl.free, map(list.pop, [box])), maxlen=0)
 
     def _reap(self, block: bool) -> None:
+        if _retired:
+            _reap_retired()
         with self._lock:
             while self._orphans:
                 box, events = self._orphans.pop()
                 self._free_box(box, events)
-            if not self._deferred:
+            if not self._deferred or _capture.capturing():
                 return
             still: list[tuple[list[int], list[Any]]] = []
             for box, events in self._deferred:
                 if block:
                     for e in events:
-                        e.synchronize()
-                if all(e.query() for e in events):
+                        try:
+                            e.synchronize()
+                        except Exception:  # judged by _done below: the region stays deferred
+                            pass
+                if all(map(_done, events)):
                     if box:
                         self._free_now(box)
                 else:
                     still.append((box, events))
-            self._deferred = still
+            self._deferred[:] = still
+
+    def __del__(self) -> None:
+        # Regions freed lazily may still be read or written by copies in flight: their slabs must outlive
+        # those copies (unpinning or unmapping memory under DMA corrupts it or faults the device). An arena
+        # dropped with such frees pending hands its C++ arena to _retired, released once they completed.
+        impl = getattr(self, "_impl", None)
+        deferred: list[tuple[list[int], list[Any]]] = getattr(self, "_deferred", [])
+        orphans: list[tuple[list[int], list[Any]]] = getattr(self, "_orphans", [])
+        if impl is not None and (deferred or orphans):
+            _retired.append((impl, deferred, orphans))
+
+
+# Arenas dropped while copies still used some of their regions: (C++ arena, deferred, orphans), the lists
+# themselves. Appended to by Arena.__del__ only (which may run inside any allocation); reaped by any arena's
+# next call and, at exit, after waiting for the copies.
+_retired: list[tuple[Any, list[tuple[list[int], list[Any]]], list[tuple[list[int], list[Any]]]]] = []
+
+
+def _reap_retired(block: bool = False) -> None:
+    """Releases the memory of dropped arenas whose copies have all completed (block: waits for them first)."""
+    for _ in range(len(_retired)):
+        try:
+            entry = _retired.pop(0)
+        except IndexError:  # another thread took the last one
+            return
+        events = [e for _, evs in (*entry[1], *entry[2]) for e in evs if e is not None]
+        if block and not _capture.capturing():
+            for e in events:
+                try:
+                    e.synchronize()
+                except Exception:
+                    pass
+        if not _capture.capturing() and all(map(_done, events)):
+            continue  # dropped here: the C++ arena unpins and unmaps its slabs
+        _retired.append(entry)
+
+
+def _drain_at_exit() -> None:
+    # Before the interpreter tears the arenas down: their slabs must not be unpinned under copies in flight.
+    try:
+        for arena in list(_live):
+            arena._reap(block=True)
+        _reap_retired(block=True)
+    except Exception:  # interpreter shutdown: nothing left to report to
+        pass
+
+
+_live: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+atexit.register(_drain_at_exit)
 
 
 _default_arena: Optional[Arena] = None

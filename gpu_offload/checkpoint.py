@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import api
+from . import _capture, api
 from ._errors import OffloadError
 from .arena import Arena, Region, default_arena
 from .storages import PLAIN_TENSOR_TYPES
@@ -145,6 +145,7 @@ class ArenaStager(AsyncStager):
         overlap=True, a future of it). See the class docstring."""
         if self._closed:
             raise OffloadError("ArenaStager: stage() after close()")
+        _capture.refuse("ArenaStager.stage")
         with self._lock:  # a finished stage's future holds its staged dict: let it go before allocating
             self._pending = [f for f in self._pending if not f.done()]
         tensors, build = flatten_state_dict(state_dict)

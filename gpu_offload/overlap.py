@@ -20,14 +20,16 @@ from typing import Any, Sequence
 
 import torch
 
+from . import _capture
 from . import plan as _plan
+from ._errors import OffloadError
 
 
 @dataclass
 class _Entry:
     events: list[Any]  # one per device
     sources: list[Any]  # the source storages: alive until the copies have read them
-    joined: set[tuple[int, int]] = field(default_factory=set)  # (device, stream) already waiting
+    joined: set[tuple[int, int]] = field(default_factory=set)  # (device, torch's own stream) already waiting
 
 
 _pending: list[_Entry] = []
@@ -36,7 +38,18 @@ _hook: Any = None
 
 
 def _current_stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return _plan.current_stream(device)
+
+
+def _stream_lasts(device: int) -> bool:
+    """Whether the current stream lives as long as the process: torch's default stream and pool streams do
+    (their stream_id is 0 or odd). An external one (torch.cuda.ExternalStream over another library's) may
+    be destroyed and its handle reused by a new stream, which must then wait too: it is not remembered."""
+    try:
+        stream_id = torch.cuda.current_stream(device).stream_id
+    except Exception:  # no torch CUDA (the simulated driver's tests): remember nothing
+        return False
+    return stream_id == 0 or bool(stream_id & 1)
 
 
 def _in_flight(entry: _Entry) -> list[Any]:
@@ -50,8 +63,14 @@ def join() -> None:
     update, an overlapped parameter all-gather, a manual copy into a parameter).
 
     Per stream: each thread's current stream waits for itself; entries are dropped only once their
-    copies have completed, never because one stream has waited for them."""
+    copies have completed, never because one stream has waited for them.
+
+    Under CUDA graph capture (a captured optimizer step) a stream cannot wait for a copy outside the
+    graph: join then passes when every copy has completed and raises OffloadError otherwise."""
     if not _pending:  # the common case: nothing overlapped in flight
+        return
+    if _capture.capturing():
+        _join_capturing()
         return
     with _lock:
         todo: list[Any] = []
@@ -64,11 +83,25 @@ def join() -> None:
             for event in running:
                 key = (event.device, _current_stream(event.device))
                 if key not in entry.joined:
-                    entry.joined.add(key)
+                    if _stream_lasts(event.device):  # a handle that cannot be reused by another stream
+                        entry.joined.add(key)
                     todo.append(event)
         _pending[:] = still
         if todo:
             _plan.join(todo)
+
+
+def _join_capturing() -> None:
+    # The events were recorded outside the capture: the core queries them in relaxed capture mode, which
+    # does not invalidate the capture (a query in the default mode would end it).
+    with _lock:
+        running = [e for entry in _pending for e in _in_flight(entry)]
+        if not running:
+            _pending[:] = []
+            return
+    raise OffloadError(f"gpu_offload.join() (also run before every optimizer step) under CUDA graph capture: "
+                       f"{len(running)} copies of snapshot(overlap=True) may still be reading the weights, and "
+                       f"a captured stream cannot wait for them; {_capture.ADVICE}")
 
 
 def _step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -83,7 +116,10 @@ def defer(events: Sequence[Any], sources: Sequence[Any] = ()) -> None:
         _pending[:] = [e for e in _pending if _in_flight(e)]  # bounded even when nothing ever joins
         _pending.append(_Entry(list(events), list(sources)))
         if _hook is None:
-            _hook = torch.optim.optimizer.register_optimizer_step_pre_hook(_step_pre_hook)
+            # From the submodule itself: torch 2.13's torch.optim no longer has it as an attribute.
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hook = register_optimizer_step_pre_hook(_step_pre_hook)
 
 
 def pending() -> int:

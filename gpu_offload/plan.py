@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import operator
 import threading
 import weakref
@@ -28,6 +29,7 @@ from .arena import _env_int
 from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
+logger = logging.getLogger("gpu_offload")
 
 
 def device_index(device: torch.device) -> int:
@@ -52,28 +54,50 @@ class CopyPlans:
     def num_copies(self) -> int:
         return sum(p.num_copies for _, p in self.groups)
 
-    def run(self, to_host: bool, host_base: int, waits: Sequence[Any] = (), stream_waits: bool = True) -> list[Any]:
+    def run(self, to_host: bool, host_base: int, waits: Sequence[Any] = (), stream_waits: bool = True,
+            record: Sequence[list[Any]] = ()) -> list[Any]:
         """Runs every group; returns the device groups' completion events (host groups are done when this
         returns). Device groups are ordered after their current stream's pending work; the current stream
-        waits for them unless stream_waits is False or a deferred_join() scope collects them instead."""
+        waits for them unless stream_waits is False or a deferred_join() scope collects them instead.
+
+        record: lists (a region's pending events) that each event is appended to inside the C call that
+        enqueues its batch, so that no interrupt can fall between a running copy and its record. When a
+        device group fails or is interrupted without leaving an event, its engine streams are synchronized
+        before the error propagates: whatever it enqueued has finished when the caller frees the region."""
         events: list[Any] = []
         wait_list = [e for e in waits if e is not None]
         scope = _join_scope.get()
+        sinks = (events, *record) if scope is None or not stream_waits else (events, scope, *record)
         try:
             for device, plan in self.groups:
+                count = len(events)
                 stream = current_stream(device) if device >= 0 else 0
-                event = plan.run(to_host, host_base, stream, wait_list, stream_waits and scope is None)
-                if event is not None:
-                    events.append(event)
-                    if scope is not None and stream_waits:
-                        scope.append(event)
+                try:
+                    plan.run_into(sinks, to_host, host_base, stream, wait_list, stream_waits and scope is None)
+                except BaseException:
+                    if device >= 0 and len(events) == count:
+                        _settle(device, to_host)  # nothing recorded: nothing of it may still run
+                    raise
+            return events
         except BaseException as exc:
             # A later device failed: the earlier devices' copies are running. Their events travel with the
             # error, so that the caller frees the region only after them (see enqueued()).
             if events:
                 setattr(exc, _ENQUEUED, events)
             raise
-        return events
+
+
+def _settle(device: int, to_host: bool) -> None:
+    try:
+        synchronize_engine(device, to_host)
+    except Exception as exc:  # the original error matters more; copy_batch has waited for its own batch
+        logger.warning("could not synchronize the engine streams of device %d after a failed batch: %s", device, exc)
+
+
+def synchronize_engine(device: int, to_host: bool) -> None:
+    """Blocks until everything enqueued on the engine's streams of one direction on `device` (copy engine and
+    gather kernel) has finished: the belt for a batch whose event was lost."""
+    _C.engine_synchronize(device, to_host)
 
 
 _ENQUEUED = "_gpu_offload_enqueued"
@@ -213,6 +237,7 @@ class TargetPlan:
             n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
+        self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = threading.Lock()
 
     def same_views(self, plain: list[torch.Tensor]) -> bool:
@@ -247,6 +272,22 @@ class TargetPlan:
                 plans = build_copies([(s.device, p, o, s.nbytes) for s, p, o in zip(specs, self.storage_ptrs, host_offsets)])
                 self._remapped = {key: plans}  # keep one: a target is restored from a few layouts at most
             return plans
+
+    def overlap_copies(self, waited: tuple[int, ...]) -> tuple[CopyPlans, Optional[CopyPlans]]:
+        """For snapshot(overlap=True): the plans of the storages later work may run beside, and of those
+        (by index: module buffers a forward writes in place) that later work must wait for; None when
+        there are none. Both cached."""
+        if not waited:
+            return self.copies(), None
+        with self._lock:
+            split = self._split.get(waited)
+            if split is None:
+                specs, chosen = self.layout.storages, set(waited)
+                entries = [(s.device, p, s.host_offset, s.nbytes) for s, p in zip(specs, self.storage_ptrs)]
+                split = (build_copies([e for i, e in enumerate(entries) if i not in chosen]),
+                         build_copies([entries[i] for i in waited]))
+                self._split = {waited: split}  # one: the buffers of a target do not change from call to call
+            return split
 
 
 class Resolved:

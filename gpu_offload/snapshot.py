@@ -7,9 +7,10 @@ from typing import Any, Optional
 
 import torch
 
+from . import _capture
 from . import integrity as _integrity
 from ._errors import OffloadError
-from .arena import Arena, Region
+from .arena import Arena, Region, _done
 from .storages import Layout
 
 
@@ -88,7 +89,7 @@ class Snapshot:
 
     def _add_events(self, events: list[Any]) -> None:
         with self._lock:
-            self._events = [e for e in self._events if not e.query()] + list(events)
+            self._events = [e for e in self._events if not _done(e)] + list(events)
 
     def _pending(self) -> list[Any]:
         with self._lock:
@@ -98,11 +99,13 @@ class Snapshot:
     def done(self) -> bool:
         """True once every copy into (and restore from) this snapshot has finished; never blocks."""
         self._live()
+        _capture.refuse("query a snapshot (done())")
         return all(e.query() for e in self._pending())
 
     def wait(self) -> "Snapshot":
         """Blocks until the host copy is complete (and restores reading it have finished)."""
         self._live()
+        _capture.refuse("wait for a snapshot")
         for e in self._pending():
             e.synchronize()
         return self

@@ -12,6 +12,10 @@ import gpu_offload as go
 
 _MIB = 1 << 20
 
+# The gated GPU tests (cuda_gates.py) hold one stream while others must run: as many hardware work queues as
+# the device has, so that fewer streams share the held one's. Read when the CUDA context is created.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 # tests/sim runs on the simulated driver, in a process of its own (test_sim_driver.py starts it).
 collect_ignore = [] if os.environ.get("GPU_OFFLOAD_SIM") else ["sim"]
 

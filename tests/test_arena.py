@@ -132,3 +132,25 @@ def test_pinned_slabs_are_not_inherited_by_a_forked_child():
     assert os.WEXITSTATUS(status) == 0, "the pinned slab is mapped in the forked child"
     assert bool((snap.tensors()["t"] == 1).all())
     snap.free()
+
+
+def test_host_memory_figure_can_be_set_for_machines_whose_memory_grows(monkeypatch):
+    """GPU_OFFLOAD_HOST_MEMORY_BYTES replaces MemAvailable in the pinning check (a VM whose memory grows as
+    it is used starts with a small MemAvailable): a slab above it is refused, 0 turns the check off, and a
+    value that is not a byte count is a clear error."""
+    from gpu_offload._ext import _C
+
+    monkeypatch.setenv("GPU_OFFLOAD_HOST_MEMORY_BYTES", str(3 * _MIB))
+    assert _C.available_host_memory() == 3 * _MIB
+    small = go.Arena(min_slab_bytes=4 * _MIB, pin="none")
+    with pytest.raises(go.OffloadError, match="refusing to pin"):
+        small.reserve(_MIB)  # a 4 MiB slab, above the 3 MiB given
+    monkeypatch.setenv("GPU_OFFLOAD_HOST_MEMORY_BYTES", "0")
+    assert _C.available_host_memory() == 0
+    small.reserve(_MIB)
+    assert small.capacity_bytes >= 4 * _MIB
+    monkeypatch.setenv("GPU_OFFLOAD_HOST_MEMORY_BYTES", "12 apples")
+    with pytest.raises(go.OffloadError, match="GPU_OFFLOAD_HOST_MEMORY_BYTES"):
+        go.Arena(min_slab_bytes=64 * _MIB, pin="none").reserve(64 * _MIB)
+    monkeypatch.delenv("GPU_OFFLOAD_HOST_MEMORY_BYTES")
+    assert _C.available_host_memory() > 0

@@ -33,6 +33,7 @@ if dist.is_available():
     from gpu_offload.checkpoint import ArenaStager
 
 from conftest import bits
+from cuda_gates import engine_stream, hold, recorded, settle
 from helpers_dist import batch, build_qwen2, lm_loss, run_ranks
 
 _MIB = 1 << 20
@@ -465,12 +466,25 @@ def test_cuda_stage_is_the_state_at_the_call(overlap: bool) -> None:
     opt = torch.optim.SGD(params, lr=1.0)
     src = {"w": params[0], "small": params[1:], "step": 7}
     expected = {"w": params[0].detach().cpu(), "small": [p.detach().cpu() for p in params[1:]], "step": 7}
+    for p in params:  # the step's kernels loaded before the gate (a zero gradient changes nothing)
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    go.snapshot({"x": torch.ones(16, device="cuda")}, arena=arena).wait().free()
+    arena.reserve(32 * _MIB)
+    torch.cuda.synchronize()
     with ArenaStager(arena, overlap=overlap) as stager:
-        torch.cuda._sleep(50_000_000)  # the copy waits behind queued work
-        out = stager.stage(src)
-        # Enqueued after the stage: must not reach the staged copy. Without overlap the current stream
-        # waits for the copy; with overlap the optimizer step does (gpu_offload's step pre-hook).
-        opt.step()
+        with hold(engine_stream(0, to_host=True)) as gate:  # the copy is held
+            if not overlap:
+                gate.open_after(0.5)  # stage() waits for the copy on the host: released from another thread
+            out = stager.stage(src)
+            # Enqueued after the stage: must not reach the staged copy. Without overlap stage() returned a
+            # complete copy; with overlap the optimizer step waits for it (gpu_offload's step pre-hook).
+            opt.step()
+            if overlap:
+                assert not settle(recorded()), "the step ran before the staged copy had read the weights"
+            gate.release()
         staged = out.result() if overlap else out
         host = [staged["w"], *staged["small"]]
         assert all(t.device.type == "cpu" and t.is_pinned() for t in host)

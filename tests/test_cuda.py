@@ -1,4 +1,7 @@
-"""GPU-only behaviour: stream order, memory really freed, copies overlapping work. Skipped without a GPU."""
+"""GPU-only behaviour: stream order, memory really freed, copies overlapping work. Skipped without a GPU.
+
+Stream order is checked with gates (cuda_gates.py): a copy or the work around it is held on a host-released
+wait while the test looks, so nothing depends on a clock rate."""
 
 from __future__ import annotations
 
@@ -9,47 +12,67 @@ import torch
 
 import gpu_offload as go
 from conftest import assert_bitwise_equal
+from cuda_gates import engine_stream, hold, recorded, settle, warm
 
 pytestmark = pytest.mark.cuda
 
 
-def _sleep_kernel(ms: float) -> None:
-    # Keeps the current stream busy, so a copy that does not wait for it would read stale data.
-    torch.cuda._sleep(int(ms * 1_000_000))
+def _ready() -> None:
+    """Before a gate: kernels loaded, the engine's streams made, the default arena's slab pinned."""
+    warm()
+    go.snapshot({"w": torch.ones(1024, device="cuda")}).wait().free()
+    go.default_arena().reserve(256 << 20)
+    torch.cuda.synchronize()
 
 
 def test_snapshot_sees_work_enqueued_before_it_and_not_after():
-    dev = torch.device("cuda")
-    w = torch.zeros(64 << 20, device=dev)  # 256 MiB: long enough to race
-    _sleep_kernel(50)
-    w.fill_(1.0)  # enqueued before the snapshot: must be in it
-    snap = go.snapshot({"w": w})
-    w.fill_(2.0)  # enqueued after: must not leak into it
-    snap.wait()
-    host = snap.tensors()["w"]
-    assert bool((host == 1.0).all())
+    _ready()
+    w = torch.zeros(64 << 20, device="cuda")  # 256 MiB
+    torch.cuda.synchronize()
+    # Before: with the current stream held, the fill and the copy after it wait; a copy that did not wait
+    # for the stream would read the zeros at once.
+    with hold(torch.cuda.current_stream()) as gate:
+        w.fill_(1.0)  # enqueued before the snapshot: must be in it
+        snap = go.snapshot({"w": w})
+        assert not settle(snap._pending()[0]), "the copy ran before the work enqueued ahead of it"
+        gate.release()
+    assert bool((snap.wait().tensors()["w"] == 1.0).all())
+    snap.free()
+    # After: with the copy held, work enqueued after the snapshot must wait for it.
+    with hold(engine_stream(0, to_host=True)) as gate:
+        snap = go.snapshot({"w": w})
+        w.fill_(2.0)  # enqueued after: must not reach the snapshot
+        assert not settle(recorded()), "work enqueued after the snapshot ran before its copy"
+        gate.release()
+    assert bool((snap.wait().tensors()["w"] == 1.0).all())
     torch.cuda.synchronize()
     assert bool((w == 2.0).all())
     snap.free()
 
 
 def test_restore_is_seen_by_later_work():
-    dev = torch.device("cuda")
-    w = torch.full((16 << 20,), 3.0, device=dev)
+    _ready()
+    w = torch.full((16 << 20,), 3.0, device="cuda")
     snap = go.snapshot({"w": w})
     w.zero_()
-    _sleep_kernel(20)
-    go.restore({"w": w}, snap)
-    total = w.sum()  # enqueued after the restore on the same stream
-    assert total.item() == 3.0 * (16 << 20)
+    torch.cuda.synchronize()
+    with hold(engine_stream(0, to_host=False)) as gate:
+        go.restore({"w": w}, snap)
+        seen = (w == 3.0).all()  # enqueued after the restore on the same stream: must see it
+        assert not settle(recorded()), "work enqueued after the restore ran before its copy"
+        gate.release()
+    assert bool(seen.item())
     snap.free()
 
 
 def test_snapshot_returns_before_the_copy_finishes_and_wait_completes_it():
+    _ready()
     w = torch.randn(32 << 20, device="cuda")
-    _sleep_kernel(100)
-    snap = go.snapshot({"w": w})
-    assert not snap.done()  # still behind the sleeping kernel: the CPU was not blocked
+    torch.cuda.synchronize()
+    with hold(engine_stream(0, to_host=True)) as gate:
+        snap = go.snapshot({"w": w})  # returns with the copy held: the CPU was not blocked
+        assert not snap.done()
+        gate.release()
     snap.wait()
     assert snap.done()
     assert_bitwise_equal(snap.tensors()["w"].cuda(), w)

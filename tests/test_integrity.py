@@ -9,6 +9,7 @@ import torch
 
 import gpu_offload as go
 from conftest import _cuda_ok, assert_bitwise_equal, random_tensor
+from cuda_gates import hold, warm
 from gpu_offload import plan as _plan
 from gpu_offload._ext import _C
 
@@ -201,10 +202,17 @@ def test_kernel_matches_the_host_for_odd_sizes_and_alignments():
 @pytest.mark.cuda
 def test_kernel_sums_are_in_stream_order():
     w = torch.zeros(64 << 20, device="cuda")  # 256 MiB
-    torch.cuda._sleep(50_000_000)
-    w.fill_(1.0)  # enqueued before the snapshot: in its checksums
-    snap = go.snapshot({"w": w}, checksum=True)
-    w.fill_(2.0)  # after: not
+    warm()
+    go.snapshot({"x": torch.ones(16, device="cuda")}, checksum=True).wait().free()  # the checksum kernel loaded
+    go.default_arena().reserve(256 << 20)
+    torch.cuda.synchronize()
+    # The current stream held: the fill, the checksum kernel and the copy all wait; a sum or a copy that
+    # did not wait for the stream would read the zeros.
+    with hold(torch.cuda.current_stream()) as gate:
+        w.fill_(1.0)  # enqueued before the snapshot: in its checksums
+        snap = go.snapshot({"w": w}, checksum=True)
+        w.fill_(2.0)  # after: not
+        gate.release()
     expected = reference(torch.ones(64 << 20).numpy().tobytes())
     assert snap.checksums == [expected]
     snap.verify()

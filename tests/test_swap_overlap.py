@@ -7,6 +7,7 @@ import torch
 
 import gpu_offload as go
 from conftest import assert_bitwise_equal, inject_failure
+from cuda_gates import engine_stream, hold, recorded, settle
 
 
 def _model(device: torch.device, seed: int) -> torch.nn.Module:
@@ -80,14 +81,21 @@ def test_overlap_snapshot_is_the_state_as_of_the_call(device, arena):
 
 @pytest.mark.cuda
 def test_overlap_step_issued_early_does_not_corrupt_the_snapshot(arena):
-    # The copy is held back by a long kernel; the step is enqueued at once. Without the pre-hook the
-    # step's writes would race the copy.
+    # The copy is held back by a gate; the step is enqueued at once. Without the pre-hook the step's
+    # writes would run ahead of the copy.
     w = torch.nn.Parameter(torch.ones(64 << 20, device="cuda"))
     opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.zeros_like(w)
+    opt.step()  # its kernels loaded (a zero gradient changes nothing)
     w.grad = torch.ones_like(w)
-    torch.cuda._sleep(100_000_000)
-    snap = go.snapshot([w], overlap=True, arena=arena)
-    opt.step()
+    go.snapshot({"x": torch.ones(16, device="cuda")}, arena=arena).wait().free()
+    arena.reserve(256 << 20)
+    torch.cuda.synchronize()
+    with hold(engine_stream(0, to_host=True)) as gate:
+        snap = go.snapshot([w], overlap=True, arena=arena)
+        opt.step()
+        assert not settle(recorded()), "the optimizer step ran before the overlapped copy had read the weights"
+        gate.release()
     assert bool((snap.wait().tensors()["0"] == 1.0).all())
     torch.cuda.synchronize()
     assert bool((w == 0.0).all())

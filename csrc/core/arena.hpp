@@ -108,7 +108,8 @@ extern void (*before_slab_release)(std::uintptr_t base, std::size_t size);
 }  // namespace testing
 
 // Host memory that can still be taken, in bytes: MemAvailable from /proc/meminfo, or the memory cgroup's
-// headroom where that is lower (containers); 0 when unknown.
+// headroom where that is lower (containers); 0 when unknown. GPU_OFFLOAD_HOST_MEMORY_BYTES, where set, is
+// the figure instead (0: unknown, no check).
 std::size_t available_host_memory();
 
 // Room left under the memory cgroup mounted at root (v2 files, else v1's memory/ controller), page cache
