@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Container, Optional, Sequence
 
 import torch
 
@@ -198,13 +198,13 @@ def _grads_policy(grads: str, include_grads: bool) -> str:
     return "copy" if include_grads else grads
 
 
-def _grads_to_drop(target: Any, resolved: _plan.Resolved) -> list[tuple[int, torch.UntypedStorage, str]]:
-    """The target's gradient storages that hold memory and are not part of its state: (key, storage, name).
-    Checked before anything moves (call with the registry lock held)."""
-    state = set(resolved.plan.keys)
+def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
+                   state: Container[int]) -> list[tuple[int, torch.UntypedStorage, str]]:
+    """The gradient storages that hold memory and are not part of the state (storage keys `state`): (key,
+    storage, name). Checked before anything moves (call with the registry lock held)."""
     out: list[tuple[int, torch.UntypedStorage, str]] = []
     seen: set[int] = set()
-    for name, t in gradient_tensors(target):
+    for name, t in grads:
         plain = check_tensor(name, t)
         storage = plain.untyped_storage()
         key = storage._cdata
@@ -282,7 +282,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
                 raise OffloadError(f"cannot offload {spec.name}: its storage is not resizable "
                                    "(memory borrowed from numpy, DLPack or a file?)")
         live = [(k, spec, st) for k, spec, st in zip(resolved.plan.keys, layout.storages, storages) if spec.nbytes]
-        dropping = _grads_to_drop(target, resolved) if policy == "drop" else []
+        dropping = _grads_to_drop(gradient_tensors(target), set(resolved.plan.keys)) if policy == "drop" else []
         if not live:
             if not dropping:
                 raise OffloadError("nothing to offload: the target holds no device memory")
