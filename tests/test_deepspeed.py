@@ -445,6 +445,8 @@ def check_slots(rank: int, world_size: int) -> None:
     ref_v2 = probe(engine)
     # A slot is the weights' partitions only (the engine's module), not the optimizer state.
     names = list(worker.cpu_saved_models[1].tensors())
+    with pytest.raises(go.OffloadError, match="deepspeed_zero3_module.*flat shards"):  # partitions: no state dict
+        worker.cpu_saved_models[1].state_dict()
     assert any(n.endswith(".ds_tensor") for n in names) and not any("optimizer" in n for n in names), names
     worker.restore_model_from_cpu(1)
     assert torch.equal(probe(engine), ref_v1)

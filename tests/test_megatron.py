@@ -210,6 +210,8 @@ def test_snapshot_names_bytes_and_fresh_twin(megatron_world, dist_opt, bf16):
     )
     snap = go.snapshot(c)
     assert snap.nbytes == model_bytes
+    with pytest.raises(go.OffloadError, match="megatron_ddp.*flat shards"):  # no state dict
+        snap.state_dict()
     snap.free()
     snap = go.snapshot(c, include_grads=True)
     assert snap.nbytes == model_bytes + sum(buf.grad_data.untyped_storage().nbytes() for buf in c.buffers)

@@ -352,9 +352,9 @@ def _free_megatron_scratch() -> None:
     if isinstance(dummy, dict):
         dummy.clear()
     ps = sys.modules.get("megatron.core.parallel_state")
-    buffer = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None)
-    if isinstance(getattr(buffer, "buffer", None), dict):
-        buffer.buffer.clear()
+    cached = getattr(getattr(ps, "_GLOBAL_MEMORY_BUFFER", None), "buffer", None)
+    if isinstance(cached, dict):
+        cached.clear()
 
 
 @torch.no_grad()
