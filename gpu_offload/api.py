@@ -287,6 +287,8 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             if not dropping:
                 raise OffloadError("nothing to offload: the target holds no device memory")
             _drop(dropping)  # only gradients hold memory: nothing to copy
+            if empty_cache:
+                _empty_cache([st.device for _, st, _ in dropping])
             return
         plans = resolved.plan.copies()
         region = arena._allocate(layout.host_bytes, users=len(live))
