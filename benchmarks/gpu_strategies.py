@@ -156,11 +156,23 @@ def check_megatron(device: torch.device) -> dict:
         record["offloaded_bytes"] = go.offloaded_bytes()
         record["memory_allocated_drop"] = before - _allocated(device)
         go.reload([chunks, opt])
+        # grads="drop": the fp32 grad buffers leave too, without a copy (verl's offload_megatron_model_to_cpu).
+        grad_bytes = sum(b.grad_data.untyped_storage().nbytes() for c in chunks for b in c.buffers)
+        before = _allocated(device)
+        go.offload([chunks, opt], grads="drop")
+        record["grads_drop_offloaded_bytes"] = go.offloaded_bytes()
+        record["grads_drop_memory_allocated_drop"] = before - _allocated(device)
+        record["grad_buffer_bytes"] = grad_bytes
+        go.reload([chunks, opt])
+        record["grads_zeroed"] = all(not b.grad_data.any() for c in chunks for b in c.buffers)
         mf.train_step(chunks, opt, step=2)
         buf = chunks[0].buffers[0]
         record["params_still_views"] = all(p.untyped_storage().data_ptr() == buf.param_data.untyped_storage().data_ptr()
                                            for p in buf.params)
-        record["ok"] = bool(record["restore_v1_bitwise"] and record["params_still_views"])
+        record["ok"] = bool(record["restore_v1_bitwise"] and record["params_still_views"] and record["grads_zeroed"]
+                            and record["grads_drop_offloaded_bytes"] == record["offloaded_bytes"]
+                            and (device.type != "cuda" or record["grads_drop_memory_allocated_drop"]
+                                 >= record["offloaded_bytes"] + grad_bytes))
     finally:
         parallel_state.destroy_model_parallel()
     return record

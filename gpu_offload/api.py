@@ -10,7 +10,7 @@ import collections
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Container, Iterator, Optional, Sequence
 
 import torch
 
@@ -20,12 +20,12 @@ from . import overlap as _overlap
 from . import plan as _plan
 from . import registry as _registry
 from ._errors import OffloadError
-from .adapters import named_tensors, shard_info
+from .adapters import gradient_tensors, named_tensors, shard_info
 from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
-from .storages import PLAIN_TENSOR_TYPES, bind, extent_problem, match, unwrap
+from .storages import PLAIN_TENSOR_TYPES, bind, check_tensor, extent_problem, match, unwrap
 
 logger = logging.getLogger("gpu_offload")
 
@@ -227,14 +227,76 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
     _log_rate("restore", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
-def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = False, arena: Optional[Arena] = None,
-            checksum: bool = False) -> None:
+GRADS_POLICIES = ("keep", "copy", "drop")
+
+
+def _grads_policy(grads: str, include_grads: bool) -> str:
+    if grads not in GRADS_POLICIES:
+        raise OffloadError(f"grads={grads!r}: expected one of {', '.join(map(repr, GRADS_POLICIES))}")
+    if include_grads and grads == "drop":
+        raise OffloadError("include_grads=True copies the gradients and grads='drop' releases them: pass one")
+    return "copy" if include_grads else grads
+
+
+def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
+                   state: Container[int]) -> list[tuple[int, torch.UntypedStorage, str]]:
+    """The gradient storages that hold memory and are not part of the state (storage keys `state`): (key,
+    storage, name). Checked before anything moves (call with the registry lock held)."""
+    out: list[tuple[int, torch.UntypedStorage, str]] = []
+    seen: set[int] = set()
+    for name, t in grads:
+        plain = check_tensor(name, t)
+        storage = plain.untyped_storage()
+        key = storage._cdata
+        # Never a storage the state shares (it is copied), nor one offloaded or dropped already.
+        if key in state or key in seen or key in _registry.entries or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        if not storage.resizable():
+            raise OffloadError(f"cannot drop {name}: its storage is not resizable "
+                               "(memory borrowed from numpy, DLPack or a file?)")
+        out.append((key, storage, name))
+    return out
+
+
+def _drop(items: list[tuple[int, torch.UntypedStorage, str]]) -> None:
+    """Releases gradient storages without a copy; reload re-allocates them zeroed. Each is registered before
+    it is released, so an interrupt leaves every storage either live or registered (a registered one that
+    is still live is simply zeroed by reload)."""
+    for key, storage, name in items:
+        _registry.watch(key, storage, _Offloaded(storage.nbytes(), storage.device, None, 0, [], name=name))
+        storage.resize_(0)
+
+
+def _log_kept_grads(target: Any, resolved: _plan.Resolved) -> None:
+    state = set(resolved.plan.keys)
+    kept: dict[int, int] = {}
+    for _, t in gradient_tensors(target):
+        storage = unwrap(t).untyped_storage()
+        if storage._cdata not in state:
+            kept[storage._cdata] = storage.nbytes()
+    if any(kept.values()):
+        logger.info("offload: %d bytes of gradients in %d storages stay on the device (grads='keep'); "
+                    "grads='drop' releases them, grads='copy' moves them too", sum(kept.values()), len(kept))
+
+
+def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", include_grads: bool = False,
+            arena: Optional[Arena] = None, checksum: bool = False) -> None:
     """Moves the target's device state into pinned host memory and frees the device memory.
 
     Each storage is copied, then released (`untyped_storage().resize_(0)`); tensors keep their identity,
     shape and views, and hold no memory until `reload`. On CUDA, `torch.cuda.empty_cache()` then returns
-    the memory to the driver unless `empty_cache=False`. Gradients stay where they are unless
-    `include_grads=True` (set them to None first to drop them, as most trainers do before offloading).
+    the memory to the driver unless `empty_cache=False`.
+
+    Gradients (plain `.grad`, FSDP1/FSDP2 sharded gradients, Megatron's grad buffers, DeepSpeed's gradient
+    partitions) follow `grads`:
+
+    * ``"keep"`` (the default): they stay on the device, untouched (logged at INFO with their size);
+    * ``"copy"``: moved with the rest and brought back with their values (``include_grads=True`` says the
+      same);
+    * ``"drop"``: released without a copy (nothing is written to host memory for them); `reload`
+      re-allocates them zeroed, in place (Megatron's `main_grad` views stay views), as verl, Megatron's
+      `offload_grad_buffers()` and slime do with gradients that the next step recomputes.
 
     With `checksum=True` a checksum of every storage is taken from the source as it is copied out (the
     same sums as `snapshot(..., checksum=True)`), for `reload(..., verify=True)`.
@@ -244,15 +306,16 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
 
     Raises:
         OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
-            that cannot be resized, a current CUDA stream that is capturing a graph, or arena/host memory
-            exhausted. Nothing has changed then.
+            that cannot be resized, an unknown `grads`, a current CUDA stream that is capturing a graph,
+            or arena/host memory exhausted. Nothing has changed then.
     """
     _capture.refuse("offload")
+    policy = _grads_policy(grads, include_grads)
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     with _registry.lock:
-        resolved = _resolve_live(target, include_grads, "offload")
+        resolved = _resolve_live(target, policy == "copy", "offload")
         layout = resolved.layout
         storages = resolved.storages()
         for spec, storage in zip(layout.storages, storages):
@@ -260,8 +323,14 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
                 raise OffloadError(f"cannot offload {spec.name}: its storage is not resizable "
                                    "(memory borrowed from numpy, DLPack or a file?)")
         live = [(k, spec, st) for k, spec, st in zip(resolved.plan.keys, layout.storages, storages) if spec.nbytes]
+        dropping = _grads_to_drop(gradient_tensors(target), set(resolved.plan.keys)) if policy == "drop" else []
         if not live:
-            raise OffloadError("nothing to offload: the target holds no device memory")
+            if not dropping:
+                raise OffloadError("nothing to offload: the target holds no device memory")
+            _drop(dropping)  # only gradients hold memory: nothing to copy
+            if empty_cache:
+                _empty_cache([st.device for _, st, _ in dropping])
+            return
         plans = resolved.plan.copies()
         region = arena._allocate(layout.host_bytes, users=len(live))
         try:
@@ -285,8 +354,12 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         except BaseException:
             _undo_offload(live, region, events)  # exception safety: the target is left as it was
             raise
+        # Last, once nothing can fail: the gradients have no copy that an undo could put back.
+        _drop(dropping)
+    if policy == "keep" and logger.isEnabledFor(logging.INFO):
+        _log_kept_grads(target, resolved)
     if empty_cache:
-        _empty_cache(layout.devices)
+        _empty_cache(layout.devices + [st.device for _, st, _ in dropping])
     _log_rate("offload", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
 
 
@@ -319,21 +392,26 @@ def reload(target: Any, *, verify: bool = False) -> None:
         if not records:
             raise OffloadError("cannot reload: nothing in the target is offloaded")
         if verify:  # integrity: the host copy is checked before anything moves
-            _registry.verify_host([r for _, _, r in records])
+            _registry.verify_host([r for _, _, r in records if r.region is not None])
         # Exception safety: nothing is committed (registry, regions) until every storage is allocated and
         # every copy enqueued; an error or interrupt before that frees what was allocated, and the target
         # stays offloaded with its data intact.
         by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
         for item in records:
-            by_region.setdefault(id(item[2].region), []).append(item)
+            if item[2].region is not None:  # (gradients dropped by offload(grads="drop") have no copy)
+                by_region.setdefault(id(item[2].region), []).append(item)
         enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]] = []
         allocating = True
         try:
             for _, storage, record in records:
                 storage.resize_(record.nbytes)
             allocating = False
+            for _, storage, record in records:
+                if record.region is None:  # dropped gradients come back zeroed (in stream order)
+                    _plan.storage_view(storage).zero_()
             for items in by_region.values():
                 region = items[0][2].region
+                assert region is not None
                 entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
                 try:
                     # One step (the append takes run's result directly): an interrupt cannot lose the events.
@@ -356,10 +434,10 @@ def reload(target: Any, *, verify: bool = False) -> None:
         # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
         collections.deque(map(_registry.entries.pop, [k for k, _, _ in records]), maxlen=0)
         for items, events in enqueued:
-            items[0][2].region.release(events, count=len(items))
+            items[0][2].region.release(events, count=len(items))  # type: ignore[union-attr]
     _registry.unguard(target)
     if verify:  # integrity: and the reloaded device data after
-        _registry.verify_reloaded([(st, r) for _, st, r in records])
+        _registry.verify_reloaded([(st, r) for _, st, r in records if r.region is not None])
     # The storages are live again at new addresses: remember the target's plan so that the next call on
     # it (a snapshot or the next offload) needs no fresh bind.
     _plan.remember(named, bound, shard_info=lambda: shard_info(target))
@@ -383,18 +461,20 @@ def discard(target: Any) -> None:
         nbytes = 0
         for key in keys:
             record = _registry.entries.pop(key)
-            record.region.release(record.events)
+            if record.region is not None:  # (a dropped gradient has no host copy)
+                record.region.release(record.events)
             nbytes += record.nbytes
     _registry.unguard(target)
     logger.debug("discard: %d storages, %d bytes", len(keys), nbytes)
 
 
 # -- exception safety: undoing a half-done offload or reload ----------------------------------------------
-def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_grads: bool = False,
-         arena: Optional[Arena] = None) -> None:
+def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, grads: str = "keep",
+         include_grads: bool = False, arena: Optional[Arena] = None) -> None:
     """Offloads `out_target` while reloading `in_target` (e.g. the policy leaves as the reference model
     comes back). On a GPU the two batches run at once, device-to-host and host-to-device on the two copy
-    engines; later work on the current stream waits for both.
+    engines; later work on the current stream waits for both. `grads` is `offload`'s, for `out_target`
+    (gradients `in_target` dropped come back zeroed).
 
     The incoming storages are allocated before the outgoing ones are released (so that no block is
     written before it has been read), which needs room for both on the device. Where there is none, swap
@@ -407,33 +487,42 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, include_g
             CUDA stream is capturing a graph.
     """
     _capture.refuse("swap")
+    policy = _grads_policy(grads, include_grads)
     join()
     start = time.perf_counter()
     # Validate both before anything moves.
-    _resolve_live(out_target, include_grads, "swap out")
+    _resolve_live(out_target, policy == "copy", "swap out")
     named_in = named_tensors(in_target, include_grads=True)
     bind_in = bind(named_in, _registry.sizes())
     with _registry.lock:
         # Exactly what is offloaded now: put back as it was if the second half fails.
         was_offloaded = {name: t for name, t in named_in if unwrap(t).untyped_storage()._cdata in _registry.entries}
+        was_dropped = {name for name, t in was_offloaded.items()
+                       if _registry.entries[unwrap(t).untyped_storage()._cdata].region is None}
     if not was_offloaded:
         raise OffloadError("cannot swap in: nothing in in_target is offloaded")
     try:
         with _plan.deferred_join() as in_flight:
             reload(in_target)  # allocates first: nothing is freed before the copies that read it
             try:
-                offload(out_target, empty_cache=False, include_grads=include_grads, arena=arena)
+                offload(out_target, empty_cache=False, grads=policy, arena=arena)
             except BaseException:
                 # As before the call. The reload's copies may not have arrived yet: the current stream waits
                 # for them first, so that the offload reads (and then frees) filled blocks.
                 _plan.join_now(in_flight)
-                offload(was_offloaded, empty_cache=False, arena=arena)
+                copied = {n: t for n, t in was_offloaded.items() if n not in was_dropped}
+                if copied:
+                    offload(copied, empty_cache=False, arena=arena)
+                with _registry.lock:
+                    _drop([(st._cdata, st, n) for n, st in
+                           ((n, unwrap(was_offloaded[n]).untyped_storage()) for n in sorted(was_dropped))
+                           if st._cdata not in _registry.entries and st.nbytes()])
                 raise
     except OffloadError as exc:
         if not isinstance(exc.__cause__, (torch.OutOfMemoryError, MemoryError)):
             raise
         logger.debug("swap: no room for both targets (%s); offloading, then reloading", exc.__cause__)
-        offload(out_target, empty_cache=empty_cache, include_grads=include_grads, arena=arena)
+        offload(out_target, empty_cache=empty_cache, grads=policy, arena=arena)
         reload(in_target)
         return
     if empty_cache:

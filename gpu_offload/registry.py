@@ -3,6 +3,9 @@
 Keyed by storage identity rather than by target, so that a list is its parts: offload([model, opt]) then
 is_offloaded(model) or reload([model, opt]) with a new list just work. Every read and write holds `lock`.
 
+Gradients released by `offload(grads="drop")` have entries too, without a region: they have no host copy,
+and reload re-allocates them zeroed.
+
 The registry holds no storage: each entry watches its storage through a weak reference, and when the
 storage dies (the model was dropped, a parameter replaced while offloaded) the entry is dropped and its
 host bytes go back to the arena, at the next call that takes the lock.
@@ -34,7 +37,7 @@ class Offloaded:
 
     nbytes: int
     device: torch.device
-    region: Region
+    region: Optional[Region]  # None: a gradient dropped by offload(grads="drop"), re-allocated zeroed by reload
     host_offset: int
     events: list[Any]  # the D2H copy that filled the region
     # Watches the storage: its callback drops the entry when the storage dies (a key, the StorageImpl
@@ -80,7 +83,8 @@ def prune() -> None:
         record = entries.get(key)
         if record is not None and record.ref is ref:  # not a new storage that took the same address since
             del entries[key]
-            record.region.release(record.events)
+            if record.region is not None:
+                record.region.release(record.events)
 
 
 def watch(key: int, storage: torch.UntypedStorage, record: Offloaded) -> None:
@@ -97,8 +101,9 @@ def sizes() -> dict[int, int]:
 
 
 def total_bytes() -> int:
+    """Bytes held in host memory for offloaded storages (dropped gradients hold none)."""
     with lock:
-        return sum(r.nbytes for r in entries.values())
+        return sum(r.nbytes for r in entries.values() if r.region is not None)
 
 
 # -- integrity: reload(verify=True) -------------------------------------------------------------------------
@@ -122,7 +127,8 @@ def verify_host(records: list[Offloaded]) -> None:
         for e in r.events:
             if e is not None:
                 e.synchronize()
-    actual = _C.checksum_host([r.region.ptr + r.host_offset for r in records], [r.nbytes for r in records])
+    actual = _C.checksum_host([r.region.ptr + r.host_offset for r in records if r.region is not None],
+                              [r.nbytes for r in records if r.region is not None])
     _integrity.check(_specs(records), expected, actual,
                      "cannot reload: the offloaded host copy is corrupt (nothing was copied back; the target is "
                      "still offloaded)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any, Optional
 
@@ -151,17 +152,37 @@ class Snapshot:
         as a DTensor with the same mesh, placements and global shape, so that
         `dcp.save(snap.state_dict(), checkpoint_id=...)` writes a checkpoint that `dcp.load` reshards.
 
+        That includes snapshots of FSDP2 (`fully_shard`) modules: their parameters are DTensors under
+        their own names, each wrapping this rank's shard (a view of the host copy of its padded local
+        storage), so every rank saves its shards and another world size loads them.
+
         The tensors alias the snapshot, as `tensors()` does: save before freeing it.
 
         Raises:
-            OffloadError: the snapshot was freed, or it is of an FSDP/Megatron module (whose tensors are this
-                rank's flat shards, not a state dict: snapshot `model.state_dict()` or
-                `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` instead).
+            OffloadError: the snapshot was freed; it is of an FSDP1, Megatron or DeepSpeed object (whose
+                tensors are the rank's flat shards, not a state dict: snapshot `model.state_dict()` or
+                `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` instead); or it
+                is of an FSDP2 module but taken with gradients, or loaded from a file (which keeps no
+                DTensor specs).
         """
-        if self._layout.shard_info is not None:
-            raise OffloadError("state_dict(): this snapshot is of a sharded module (FSDP/Megatron), whose tensors "
-                               "are the rank's flat shards, not a state dict; snapshot model.state_dict() or "
-                               "get_state_dict(model, optimizer) to save it with torch.distributed.checkpoint")
+        info = self._layout.shard_info
+        if info is not None:
+            from .adapters import state_dict_kinds
+
+            kinds = {str(part.get("kind")) for part in json.loads(info).values()}
+            flat = sorted(kinds - state_dict_kinds())
+            if flat:
+                raise OffloadError(f"state_dict(): this snapshot is of a sharded object ({', '.join(flat)}), whose "
+                                   "tensors are the rank's flat shards, not a state dict; snapshot "
+                                   "model.state_dict() or get_state_dict(model, optimizer) to save it with "
+                                   "torch.distributed.checkpoint")
+            if self.include_grads:
+                raise OffloadError("state_dict(): this snapshot of a sharded module holds gradients, which are "
+                                   "no part of a state dict; take the snapshot without include_grads")
+            if not self._dtensor_specs:
+                raise OffloadError("state_dict(): this snapshot of a sharded module has no DTensor specs (a "
+                                   "snapshot loaded from a file keeps none); restore it into the module and "
+                                   "snapshot that")
         out = self.tensors()
         if self._dtensor_specs:
             from torch.distributed.tensor import DTensor

@@ -152,8 +152,10 @@ def gpt_config(*, bf16: bool = False, config: dict[str, Any] | None = None) -> A
     )
 
 
-def build_chunk(*, seed: int, use_distributed_optimizer: bool, bf16: bool = False) -> Any:
-    """One DDP-wrapped GPTModel chunk (tied embedding / output layer); same seed, bitwise-same chunk."""
+def build_chunk(*, seed: int, use_distributed_optimizer: bool, bf16: bool = False, frozen: tuple[str, ...] = ()) -> Any:
+    """One DDP-wrapped GPTModel chunk (tied embedding / output layer); same seed, bitwise-same chunk. The
+    parameters named in `frozen` (GPTModel names) get requires_grad=False before wrapping: DDP leaves them
+    out of its buffers, as with a LoRA base model."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -170,6 +172,9 @@ def build_chunk(*, seed: int, use_distributed_optimizer: bool, bf16: bool = Fals
             position_embedding_type="rope",
             rotary_base=int(QWEN2_TINY["rope_theta"]),
         )
+        for name, p in model.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True
         )

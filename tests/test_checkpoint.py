@@ -181,6 +181,22 @@ def _fsdp2_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     dcp.save(nested, checkpoint_id=f"{root}/snapshot", process_group=ckpt_pg)
     snap.free()
 
+    # A snapshot of the module itself (not of its state dict): its parameters are DTensors under their own
+    # names, each rank's host shard a view of its padded local storage. Saved after another step.
+    module_snap = go.snapshot(model, arena=arena)
+    module_full = _full(dict(model.named_parameters()))  # as of the snapshot (a collective)
+    _step(model, opt, 3, rank)
+    staged = module_snap.state_dict()
+    params = dict(model.named_parameters())
+    out["module_dtensors"] = all(type(staged[n]).__name__ == "DTensor" and staged[n].to_local().device.type == "cpu"
+                                 and staged[n].to_local().shape == p.to_local().shape
+                                 and staged[n].shape == p.shape and staged[n].placements == p.placements
+                                 for n, p in params.items())
+    out["module_changed_by_step"] = not all(torch.equal(staged[n].to_local(), p.to_local()) for n, p in params.items())
+    dcp.save(staged, checkpoint_id=f"{root}/module", process_group=ckpt_pg)
+    del staged
+    module_snap.free()
+
     # Fresh models on the same 2 ranks (another init) load both checkpoints.
     fresh, fopt = _fsdp2(world_size, seed=7)
     _step(fresh, fopt, 5, rank)
@@ -192,7 +208,7 @@ def _fsdp2_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     _assert_tree_equal(loaded, snap_full, "snapshot save, 2 ranks")
     out["arena_used_after"] = arena.used_bytes
     if rank == 0:  # tensors cross the process boundary as a file (not through the result queue)
-        torch.save({"async": at_call, "snapshot": snap_full}, f"{root}/expected.pt")
+        torch.save({"async": at_call, "snapshot": snap_full, "module": module_full}, f"{root}/expected.pt")
     return out
 
 
@@ -233,6 +249,24 @@ def test_snapshot_state_dict_of_fsdp2_wraps_dtensors(fsdp2_run: tuple[Path, list
     _, results = fsdp2_run
     for r in results:
         assert r["snapshot_dtensors"] > 0 and r["snapshot_all_host"]
+
+
+def _one_rank_module_load(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    model = build_qwen2(seed=11)  # another init: every value must come from the checkpoint
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    return {k: v.clone() for k, v in sd.items()}
+
+
+def test_fsdp2_module_snapshot_saved_on_two_ranks_loads_on_one(fsdp2_run: tuple[Path, list[dict[str, Any]]]) -> None:
+    # go.snapshot(fsdp2_model).state_dict() is a reshardable checkpoint: 2 ranks save it, 1 rank loads it.
+    root, results = fsdp2_run
+    assert all(r["module_dtensors"] for r in results), "the snapshot's parameters are not the model's DTensors"
+    assert all(r["module_changed_by_step"] for r in results), "the step after the snapshot changed nothing"
+    expected = torch.load(root / "expected.pt", weights_only=True)["module"]
+    (loaded,) = run_ranks(_one_rank_module_load, 1, str(root / "module"))
+    assert expected and set(expected) <= set(loaded)
+    _assert_tree_equal({k: loaded[k] for k in expected}, expected, "module snapshot on 1 rank")
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -403,21 +437,41 @@ def test_failed_write_leaves_the_arena_as_it_was(tmp_path: Path) -> None:
         dcp.async_save(sd, checkpoint_id=str(tmp_path / "ok"), async_stager=stager, no_dist=True).result()
 
 
-def test_snapshot_state_dict_refuses_a_sharded_module_snapshot() -> None:
-    run_ranks(_sharded_module_rank, 1)
+def test_snapshot_state_dict_of_sharded_modules(tmp_path: Path) -> None:
+    run_ranks(_sharded_module_rank, 1, str(tmp_path))
 
 
-def _sharded_module_rank(rank: int, world_size: int) -> None:
+def _sharded_module_rank(rank: int, world_size: int, directory: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     model, _ = _fsdp2(world_size, seed=0)
+    # An FSDP2 module's snapshot is its state dict: the same names, DTensors where the parameters are.
     snap = go.snapshot(model)
-    with pytest.raises(go.OffloadError, match="sharded module"):
-        snap.state_dict()
+    staged = snap.state_dict()
+    assert set(staged) == {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in model.named_buffers()}
+    for name, p in model.named_parameters():
+        assert type(staged[name]).__name__ == "DTensor" and staged[name].placements == p.placements
+        assert torch.equal(staged[name].to_local(), p.to_local()), name
+    del staged
+    go.save(snap, f"{directory}/fsdp2.safetensors")
     snap.free()
+    with go.load(f"{directory}/fsdp2.safetensors") as loaded:  # a file keeps no DTensor specs
+        with pytest.raises(go.OffloadError, match="no DTensor specs"):
+            loaded.state_dict()
+    with go.snapshot(model, include_grads=True) as snap:
+        with pytest.raises(go.OffloadError, match="gradients"):
+            snap.state_dict()
     # Its state dict (DTensors) is what DCP saves: wrapped again as DTensors.
     snap = go.snapshot(model.state_dict())
     staged = snap.state_dict()
     assert staged and all(type(v).__name__ == "DTensor" for v in staged.values() if v.dim() > 0)
     snap.free()
+    # FSDP1's flat parameters are no state dict: refused with the reason.
+    fsdp1 = FSDP(build_qwen2(seed=0), device_id=torch.device("cpu"))
+    with go.snapshot(fsdp1) as snap:
+        with pytest.raises(go.OffloadError, match="fsdp1.*flat shards"):
+            snap.state_dict()
 
 
 def test_protocol_overlap_future_and_release() -> None:

@@ -41,20 +41,23 @@ pytestmark = [
 FULL = os.environ.get("GPU_OFFLOAD_DS_FULL") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="full DeepSpeed matrix: set GPU_OFFLOAD_DS_FULL=1")
 
-# Small enough that the norms and biases stay whole on every rank (ZeRO-3 persistent parameters) while the
-# matrices are partitioned.
-PERSISTENCE_THRESHOLD = 64
+# DeepSpeed's default stage3_param_persistence_threshold: parameters with fewer elements stay whole on every
+# rank (ZeRO-3 persistent parameters). The config leaves it at its default, and the MLP matrices are made wider
+# than it, so that ZeRO-3 partitions those while the embedding, norms and biases persist.
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+WIDE = 3200  # hidden * WIDE > the threshold
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding, two MLP blocks with LayerNorm (small parameters ZeRO-3 keeps whole) and a tied head."""
+    """Embedding, two MLP blocks with LayerNorm and a tied head: under ZeRO-3's default persistence threshold
+    the MLP matrices are partitioned and every other parameter persists."""
 
     def __init__(self, vocab: int = QWEN2_TINY["vocab_size"], hidden: int = 32) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
-                                torch.nn.Linear(2 * hidden, hidden))
+            torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, WIDE), torch.nn.GELU(),
+                                torch.nn.Linear(WIDE, hidden))
             for _ in range(2))
         self.norm = torch.nn.LayerNorm(hidden)
         self.register_buffer("scale", torch.tensor(0.5))
@@ -104,7 +107,7 @@ def make_engine(stage: int, bf16: bool, seed: int = 0, fused_adam: bool = False)
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": not fused_adam}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD},
+        "zero_optimization": {"stage": stage},  # DeepSpeed's default persistence threshold
         "bf16": {"enabled": bf16},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -144,6 +147,22 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], wh
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
+def ds_grads(engine: Any) -> list[torch.Tensor]:
+    """Every gradient tensor DeepSpeed holds for the engine, read from its own attributes (not the adapter's)."""
+    opt = engine.optimizer
+    out = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    for lists in (getattr(opt, "averaged_gradients", None) or {}).values():
+        out.extend(g for g in (lists or []) if isinstance(g, torch.Tensor))
+    for attr in ("grads_in_partition", "grad_partitions_flat_buffer"):
+        value = getattr(opt, attr, None)
+        out.extend(value if isinstance(value, list) else [value] if isinstance(value, torch.Tensor) else [])
+    masters = [*(getattr(opt, "single_partition_of_fp32_groups", None) or []),
+               *(getattr(opt, "fp32_partitioned_groups_flat", None) or []),
+               *(m for group in getattr(opt, "fp32_groups", None) or [] for m in group)]
+    out.extend(m.grad for m in masters if isinstance(m, torch.Tensor) and m.grad is not None)
+    return [g for g in out if isinstance(g, torch.Tensor) and g.numel()]
+
+
 def released(engine: Any, categories: tuple[str, ...]) -> bool:
     cats = ds_adapter.deepspeed_state(engine, include_grads=True, reshard=False)
     tensors = [t for c in categories for _, t in cats[c]]
@@ -157,6 +176,9 @@ def check_round_trips(rank: int, world_size: int, stage: int, bf16: bool, mis: b
     a = make_engine(stage, bf16)
     b = make_engine(stage, bf16)
     assert ds_adapter.is_deepspeed_engine(a) and ds_adapter.is_deepspeed_optimizer(a.optimizer) == (stage > 0 or bf16)
+    if stage == 3:  # the default persistence threshold: some parameters persist (whole), the matrices do not
+        persist = [p.ds_persist for p in a.module.parameters()]
+        assert any(persist) and not all(persist), persist
     both(a, b, range(2), rank, "before")
 
     # snapshot -> 2 steps -> restore: the twin never moved, so the engine must be back in step with it.
@@ -188,6 +210,28 @@ def check_round_trips(rank: int, world_size: int, stage: int, bf16: bool, mis: b
     assert_same_state(state_of(a, include_grads=True), grads, "grads after reload")
     a.step(), b.step()
     both(a, b, range(9, 11), rank, "after offload with grads")
+
+    # grads="drop", between steps (ZeRO-3 keeps its gradient partitions allocated; ZeRO 1/2 hold none then) ...
+    go.offload(a, grads="drop")
+    assert not any(g.untyped_storage().nbytes() for g in ds_grads(a)), "a gradient still holds memory"
+    go.reload(a)
+    both(a, b, range(20, 21), rank, "after dropping the gradients between steps")
+    # ... and between backward and step, beside a twin whose gradients were zeroed.
+    for e in (a, b):
+        ids = batch(21, rank)
+        e.backward(lm_loss(e(ids), ids))
+    dropped = ds_grads(a)
+    assert dropped and any(g.float().abs().sum() > 0 for g in dropped)
+    state_bytes = go.snapshot(a).nbytes
+    go.offload(a, grads="drop")
+    assert all(g.untyped_storage().nbytes() == 0 for g in dropped), "a gradient still holds memory"
+    assert go.offloaded_bytes() == state_bytes, "gradient bytes went to host memory"
+    go.reload(a)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in ds_grads(a)), "gradients not zeroed"
+    for g in ds_grads(b):
+        g.zero_()
+    a.step(), b.step()
+    both(a, b, range(22, 24), rank, "after dropping the gradients between backward and step")
 
     if mis:  # MIS v1/v2: old weights back for log-probs, then the current ones, then training goes on.
         v1 = go.snapshot(a)
@@ -341,6 +385,37 @@ def test_drop_ins_beside_deepspeeds_own() -> None:
     run_ranks(check_drop_ins, 1, 2, False, timeout=300)
 
 
+def check_persistent_parameters_kept(rank: int, world_size: int) -> None:
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    ours, twin = make_engine(3, True), make_engine(3, True)
+    for i in range(2):
+        train_step(ours, i, rank), train_step(twin, i, rank)
+    persistent = [(n, p) for n, p in ours.module.named_parameters() if p.ds_persist]
+    assert persistent and all(p.ds_status.name == "AVAILABLE" and p.numel() == p.ds_numel for _, p in persistent)
+    # What OpenRLHF offloads for generation: everything but the 16-bit weights (lp_params).
+    offload_states(ours, include=[State.optim_states, State.hp_params, State.lp_grads, State.contiguous_grad_buffer])
+    assert released(ours, ("optim_states", "hp_params"))
+    gone = [n for n, p in persistent if p.ds_status.name != "AVAILABLE" or p.untyped_storage().nbytes() == 0]
+    assert not gone, f"persistent replicas released although lp_params was not included: {gone}"
+    lp = ds_adapter.deepspeed_state(ours, include_grads=False, reshard=False)["lp_params"]
+    assert all(t.untyped_storage().nbytes() > 0 for _, t in lp if t.numel()), "16-bit weights released"
+    assert torch.equal(probe(ours), probe(twin)), "a forward with the 16-bit weights kept"
+    reload_states(ours)
+    both(ours, twin, range(2, 4), rank, "after offload_states without lp_params")
+    # With lp_params the replicas go too (they are 16-bit weights); the next forward gathers them again.
+    offload_states(ours, include=[State.lp_params])
+    assert all(p.ds_status.name == "NOT_AVAILABLE" for _, p in persistent)
+    reload_states(ours)
+    both(ours, twin, range(4, 6), rank, "after offload_states with lp_params")
+
+
+def test_offload_states_keeps_persistent_parameters_without_lp_params() -> None:
+    # ZeRO-3 with DeepSpeed's default stage3_param_persistence_threshold (1e5): the norms, biases and the
+    # embedding persist.
+    run_ranks(check_persistent_parameters_kept, 1, timeout=300)
+
+
 @pytest.mark.slow
 @full_only
 @pytest.mark.parametrize("stage", [1, 3])
@@ -370,6 +445,8 @@ def check_slots(rank: int, world_size: int) -> None:
     ref_v2 = probe(engine)
     # A slot is the weights' partitions only (the engine's module), not the optimizer state.
     names = list(worker.cpu_saved_models[1].tensors())
+    with pytest.raises(go.OffloadError, match="deepspeed_zero3_module.*flat shards"):  # partitions: no state dict
+        worker.cpu_saved_models[1].state_dict()
     assert any(n.endswith(".ds_tensor") for n in names) and not any("optimizer" in n for n in names), names
     worker.restore_model_from_cpu(1)
     assert torch.equal(probe(engine), ref_v1)

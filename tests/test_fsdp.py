@@ -94,6 +94,16 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: s
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
+def _grad_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every gradient on this rank: the parameters' (FSDP2: their local shards) and FSDP1's flat ones."""
+    out = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    for m in model.modules():
+        flat = getattr(getattr(m, "_handle", None), "flat_param", None)
+        if flat is not None and flat.grad is not None:
+            out.append(flat.grad)
+    return out
+
+
 def _released(model: nn.Module, grads: bool = False) -> bool:
     """Whether every parameter (its local shard), buffer and, if asked, gradient holds no memory."""
     tensors = [_local(p) for p in model.parameters()] + list(model.buffers())
@@ -151,6 +161,26 @@ def _check_rank(rank: int, world_size: int, kind: str) -> dict[str, int]:
     go.reload([a, oa])
     _assert_same(_grads(a), grads_before, "grads after reload")
     _assert_same(_grads(a), _grads(b), "grads vs twin")
+    for opt in (oa, ob):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # grads="drop" between backward and step: every gradient storage (FSDP1's flat gradients, the original
+    # parameters' views into them, FSDP2's sharded gradients) released without a copy, zeroed on reload;
+    # the step and the training after it match a twin whose gradients were zeroed.
+    for m in (a, b):
+        ids = batch(11, rank)
+        lm_loss(m(ids), ids).backward()
+    grads = _grad_tensors(a)
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    state_bytes = go.snapshot([a, oa]).nbytes
+    go.offload([a, oa], grads="drop")
+    assert all(g.untyped_storage().nbytes() == 0 for g in grads), "a gradient still holds memory"
+    assert _released(a) and go.offloaded_bytes() == state_bytes, "gradient bytes went to host memory"
+    go.reload([a, oa])
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in _grad_tensors(a)), "gradients not zeroed"
+    ob.zero_grad(set_to_none=False)
+    _assert_same(_grads(a), _grads(b), "zeroed grads vs twin")
     for opt in (oa, ob):
         opt.step()
         opt.zero_grad(set_to_none=True)

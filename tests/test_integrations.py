@@ -161,3 +161,248 @@ def test_verl_slots_with_megatron_chunks(megatron_world):
     worker.restore_model_from_cpu("v1")
     assert torch.equal(logits(chunks)[0], before[0])
     worker.clear_cpu_model("v1")
+
+
+# ------------------------------------------------------------------- verl's offload helpers, FSDP
+
+
+def _fsdp_model(kind: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from helpers_dist import build_qwen2
+
+    model = build_qwen2(seed=seed)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_id=torch.device("cpu"))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def _lm_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, finish: bool = True) -> torch.Tensor:
+    from helpers_dist import batch, lm_loss
+
+    ids = batch(step)
+    loss = lm_loss(model(ids), ids)
+    loss.backward()
+    if finish:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter (its local shard), buffer and optimizer state tensor, read from torch's own objects."""
+    out = [_local(p) for p in model.parameters()] + list(model.buffers())
+    out += [_local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return out
+
+
+def _grad_list(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [_local(p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def _check_verl_fsdp(rank: int, world_size: int, kind: str) -> None:
+    from gpu_offload.integrations import verl
+
+    (a, oa), (b, ob) = _fsdp_model(kind), _fsdp_model(kind)
+    offload_model = verl.offload_fsdp2_model_to_cpu if kind == "fsdp2" else verl.offload_fsdp_model_to_cpu
+    load_model = verl.load_fsdp2_model_to_gpu if kind == "fsdp2" else verl.load_fsdp_model_to_gpu
+    verl.offload_fsdp_optimizer(oa)  # no state yet: a no-op, as verl's
+    verl.load_fsdp_model_to_gpu(a)  # nothing offloaded: a no-op, as verl's
+    for i in range(2):
+        assert torch.equal(_lm_step(a, oa, i), _lm_step(b, ob, i))
+    want = [t.clone() for t in _state_tensors(a, oa)]
+    device_bytes = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _state_tensors(a, oa)}.values())
+
+    # What verl's trainers do around generation: model and optimizer out, then back.
+    offload_model(a)
+    verl.offload_fsdp_optimizer(oa)
+    offload_model(a)  # twice: a no-op, as verl's
+    assert all(t.untyped_storage().nbytes() == 0 for t in _state_tensors(a, oa)), "device memory still held"
+    assert go.offloaded_bytes() == device_bytes, "the host copy is not exactly what the device held"
+    load_model(a)
+    verl.load_fsdp_optimizer(oa, torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(_state_tensors(a, oa), want)), "values after load"
+    for i in range(2, 4):
+        assert torch.equal(_lm_step(a, oa, i), _lm_step(b, ob, i)), f"step {i} after load"
+
+    # Gradients, as verl: FSDP1's helper leaves them on the device, FSDP2's (model.to) moves them.
+    for m, o in ((a, oa), (b, ob)):
+        _lm_step(m, o, 4, finish=False)
+    grads = [g.clone() for g in _grad_list(a)]
+    offload_model(a)
+    kept = all(g.untyped_storage().nbytes() > 0 for g in _grad_list(a))
+    assert kept == (kind == "fsdp1"), "default gradient handling differs from verl's"
+    load_model(a)
+    assert all(torch.equal(x, y) for x, y in zip(_grad_list(a), grads))
+    # grads="drop": freed without a copy, zeroed on load; the step matches a twin that zeroed its gradients.
+    offload_model(a, grads="drop")
+    assert all(g.untyped_storage().nbytes() == 0 for g in _grad_list(a))
+    load_model(a)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in _grad_list(a))
+    ob.zero_grad(set_to_none=False)
+    oa.step(), ob.step()
+    oa.zero_grad(set_to_none=True), ob.zero_grad(set_to_none=True)
+    for i in range(5, 7):
+        assert torch.equal(_lm_step(a, oa, i), _lm_step(b, ob, i)), f"step {i} after dropping the gradients"
+
+
+@pytest.mark.parametrize("kind", ["plain", "fsdp1", "fsdp2"])
+def test_verl_fsdp_helpers_against_a_twin(kind: str) -> None:
+    from helpers_dist import run_ranks
+
+    run_ranks(_check_verl_fsdp, 1, kind)
+
+
+def test_verl_helpers_match_verls_signatures() -> None:
+    # The parameters (names, order, defaults) of verl 0.9.1's verl/utils/{fsdp,megatron}_utils.py; extras
+    # are keyword-only.
+    import inspect
+
+    from gpu_offload.integrations import verl
+
+    theirs = {
+        "offload_fsdp_model_to_cpu": "(model, empty_cache=True)",
+        "offload_fsdp2_model_to_cpu": "(model, empty_cache=True)",
+        "load_fsdp_model_to_gpu": "(model)",
+        "load_fsdp2_model_to_gpu": "(model)",
+        "offload_fsdp_optimizer": "(optimizer)",
+        "load_fsdp_optimizer": "(optimizer, device_id)",
+        "offload_megatron_model_to_cpu": "(models)",
+        "load_megatron_model_to_gpu": "(models, load_grad=True, load_frozen_params=True)",
+        "offload_megatron_copy_params": "(optimizers)",
+        "load_megatron_copy_params": "(optimizers)",
+        "offload_megatron_optimizer": "(optimizers)",
+        "load_megatron_optimizer": "(optimizers)",
+    }
+    for name, sig in theirs.items():
+        params = inspect.signature(getattr(verl, name)).parameters.values()
+        positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        ours = "(" + ", ".join(p.name if p.default is inspect.Parameter.empty or p.name == "device_id"
+                               else f"{p.name}={p.default!r}" for p in positional) + ")"
+        assert ours == sig, (name, ours, sig)
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params if p not in positional), name
+
+
+# ---------------------------------------------------------------- verl's offload helpers, Megatron
+
+
+def _grad_data(chunks: list) -> list[torch.Tensor]:
+    return [buf.grad_data for c in chunks for buf in c.buffers]
+
+
+def _main_grad_views(chunks: list) -> list[tuple[bool, int, bool, int]]:
+    """Per parameter: whether it views param_data and where, whether main_grad views grad_data and where."""
+    out = []
+    for c in chunks:
+        for buf in c.buffers:
+            for p in buf.params:
+                pd, gd = buf.param_data, buf.grad_data
+                out.append((pd is not None and p.untyped_storage()._cdata == pd.untyped_storage()._cdata,
+                            p.data_ptr() - pd.data_ptr() if pd is not None else 0,
+                            p.main_grad.untyped_storage()._cdata == gd.untyped_storage()._cdata,
+                            p.main_grad.data_ptr() - gd.data_ptr()))
+    return out
+
+
+def _model_storages(chunks: list) -> list[torch.Tensor]:
+    """What a chunk's weights live in: each buffer's param_data (distributed optimizer) or the parameters."""
+    out = []
+    for c in chunks:
+        out += [buf.param_data for buf in c.buffers if buf.param_data is not None]
+        out += list(c.parameters())
+    return out
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["ddp-bf16", "distopt-bf16"])
+def test_verl_megatron_helpers_against_a_twin(megatron_world, dist_opt):
+    from gpu_offload.integrations import verl
+    from megatron_fixtures import backward, build_chunk, build_optimizer, logits, optimizer_step, train_step
+
+    frozen = ("decoder.layers.0.mlp.linear_fc1.weight",)  # a frozen parameter, outside DDP's buffers (LoRA)
+
+    def make() -> tuple[list, object]:
+        chunks = [build_chunk(seed=3, use_distributed_optimizer=dist_opt, bf16=True, frozen=frozen)]
+        return chunks, build_optimizer(chunks, use_distributed_optimizer=dist_opt, bf16=True)
+
+    (a, a_opt), (b, b_opt) = make(), make()
+    frozen_param = a[0].module.decoder.layers[0].mlp.linear_fc1.weight
+    assert not frozen_param.requires_grad
+    for i in range(2):
+        assert torch.equal(train_step(a, a_opt, i), train_step(b, b_opt, i))
+    # After a step the grad buffers hold that step's gradients, which the next step recomputes.
+    assert any(g.abs().sum() > 0 for g in _grad_data(a))
+    state_bytes = go.snapshot([*a, a_opt]).nbytes
+    views = _main_grad_views(a)
+    assert views and all(v[2] for v in views) and all(v[0] == dist_opt for v in views)
+
+    verl.offload_megatron_model_to_cpu(a)
+    verl.offload_megatron_optimizer(a_opt)
+    assert all(t.untyped_storage().nbytes() == 0 for t in _model_storages(a)), "weights still on the device"
+    assert all(g.untyped_storage().nbytes() == 0 for g in _grad_data(a)), "grad buffers still on the device"
+    masters = [t for n, t in go.adapters.megatron.megatron_optimizer_named_tensors(a_opt)]
+    assert masters and all(t.untyped_storage().nbytes() == 0 for t in masters), "optimizer state still held"
+    # The grad buffers were released without a copy: the host holds the weights and optimizer state only.
+    assert go.offloaded_bytes() == state_bytes
+
+    # Inference first (verl's compute_log_prob): weights back, gradients left released.
+    verl.load_megatron_model_to_gpu(a, load_grad=False)
+    assert all(g.untyped_storage().nbytes() == 0 for g in _grad_data(a))
+    assert all(torch.equal(x, y) for x, y in zip(logits(a), logits(b))), "logits after load_grad=False"
+    verl.offload_megatron_model_to_cpu(a)  # and out again, the gradients still released
+    # Then without the frozen parameters, and out again (what is on the host already is skipped).
+    verl.load_megatron_model_to_gpu(a, load_frozen_params=False)
+    assert frozen_param.untyped_storage().nbytes() == 0
+    assert all(t.untyped_storage().nbytes() > 0 for t in _model_storages(a) if t is not frozen_param)
+    verl.offload_megatron_model_to_cpu(a)
+    assert all(t.untyped_storage().nbytes() == 0 for t in _model_storages(a))
+    verl.load_megatron_model_to_gpu(a)
+    verl.load_megatron_optimizer(a_opt)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in _grad_data(a)), "grad buffers not zeroed on load"
+    assert _main_grad_views(a) == views, "main_grad (or the parameters) no longer view the flat buffers"
+    for c in b:
+        c.zero_grad_buffer()
+    for i in range(2, 4):
+        assert torch.equal(train_step(a, a_opt, i), train_step(b, b_opt, i)), f"step {i} after load"
+
+    # The fp32 master shards alone (the distributed optimizer's; the Float16 optimizer has none there).
+    copies = [t for opt in a_opt.chained_optimizers for g in getattr(opt, "shard_fp32_from_float16_groups", [])
+              for t in g]
+    assert bool(copies) == dist_opt
+    want = [t.clone() for t in copies]
+    verl.offload_megatron_copy_params(a_opt)
+    assert all(t.untyped_storage().nbytes() == 0 for t in copies)
+    verl.offload_megatron_optimizer(a_opt)  # the rest of the state; the copies are out already
+    verl.load_megatron_copy_params(a_opt)
+    assert all(torch.equal(x, y) for x, y in zip(copies, want))
+    verl.load_megatron_optimizer(a_opt)
+    # Interrupted between backward and step (the gradients are then dropped, and zeroed on load).
+    backward(a, a_opt, 4, 0)
+    backward(b, b_opt, 4, 0)
+    verl.offload_megatron_model_to_cpu(a)
+    verl.load_megatron_model_to_gpu(a)
+    for c in b:
+        c.zero_grad_buffer()
+    optimizer_step(a_opt)
+    optimizer_step(b_opt)
+    for i in range(5, 7):
+        assert torch.equal(train_step(a, a_opt, i), train_step(b, b_opt, i)), f"step {i}"
+    # A chunk that is not DDP-wrapped (a reference model): parameters and gradients move, as in verl.
+    ref = torch.nn.Linear(4, 4)
+    ref(torch.randn(2, 4)).sum().backward()
+    grad = ref.weight.grad.clone()
+    verl.offload_megatron_model_to_cpu([ref])
+    assert ref.weight.untyped_storage().nbytes() == 0 and ref.weight.grad.untyped_storage().nbytes() == 0
+    verl.load_megatron_model_to_gpu([ref], load_grad=False)
+    assert torch.equal(ref.weight.grad, grad)

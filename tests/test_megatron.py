@@ -114,6 +114,25 @@ def test_offload_reload_then_training_matches_twin(megatron_world, dist_opt, bf1
     optimizer_step(a_opt)
     optimizer_step(b_opt)
 
+    # grads="drop" between backward and step, as verl and Megatron's own offload_grad_buffers() do: the fp32
+    # grad buffers are released without a copy and come back zeroed, main_grad still views into them; the
+    # step matches a twin that zeroed its buffers.
+    backward(a_chunks, a_opt, 5, 0)
+    backward(b_chunks, b_opt, 5, 0)
+    state_bytes = go.snapshot(target).nbytes
+    go.offload(target, grads="drop")
+    grad_buffers = [buf.grad_data for c in a_chunks for buf in c.buffers]
+    assert all(g.untyped_storage().nbytes() == 0 for g in grad_buffers), "a grad buffer still holds memory"
+    assert go.offloaded_bytes() == state_bytes, "grad buffer bytes went to host memory"
+    go.reload(target)
+    assert _views(a_chunks) == views
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grad_buffers)
+    for c in b_chunks:
+        c.zero_grad_buffer()
+    optimizer_step(a_opt)
+    optimizer_step(b_opt)
+    _assert_same(_params(a_chunks), _params(b_chunks))
+
     # Offload without grads between steps (grad buffers stay), and keep training.
     go.offload(target)
     go.reload(target)
@@ -191,6 +210,8 @@ def test_snapshot_names_bytes_and_fresh_twin(megatron_world, dist_opt, bf16):
     )
     snap = go.snapshot(c)
     assert snap.nbytes == model_bytes
+    with pytest.raises(go.OffloadError, match="megatron_ddp.*flat shards"):  # no state dict
+        snap.state_dict()
     snap.free()
     snap = go.snapshot(c, include_grads=True)
     assert snap.nbytes == model_bytes + sum(buf.grad_data.untyped_storage().nbytes() for buf in c.buffers)

@@ -203,6 +203,95 @@ def test_grads_with_include_grads(device, arena):
     assert torch.equal(model.weight.grad, grad)
 
 
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, device: torch.device,
+           finish: bool = True) -> None:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)).to(device)
+    model(x).pow(2).mean().backward()
+    if finish:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+def _grad_storages(model: torch.nn.Module) -> list[torch.UntypedStorage]:
+    return [p.grad.untyped_storage() for p in model.parameters() if p.grad is not None]
+
+
+def test_offload_grads_drop_frees_them_without_a_copy(device, arena):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(device)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        _train(m, o, 0, device)
+        _train(m, o, 1, device, finish=False)  # gradients of a backward whose step never comes
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.abs().sum() > 0 for g in grads)
+    state_bytes = go.snapshot([model, opt], arena=arena).nbytes  # what a copy of the state takes
+    go.offload([model, opt], grads="drop", arena=arena)
+    assert all(st.nbytes() == 0 for st in _grad_storages(model)), "a gradient still holds memory"
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert go.offloaded_bytes() == state_bytes, "bytes were written to host memory for the gradients"
+    assert not go.is_offloaded(twin)
+    go.reload([model, opt])
+    # The same gradient tensors, re-allocated and zeroed: as the twin's after zero_grad().
+    assert [p.grad for p in model.parameters()] == grads
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    twin_opt.zero_grad(set_to_none=False)
+    for step in range(2, 5):
+        _train(model, opt, step, device)
+        _train(twin, twin_opt, step, device)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    assert go.offloaded_bytes() == 0
+
+
+def test_grads_keep_copy_and_the_words(device, arena, caplog):
+    import logging
+
+    model = torch.nn.Linear(4, 4).to(device)
+    model(torch.randn(3, 4, device=device)).sum().backward()
+    grad = model.weight.grad.clone()
+    with caplog.at_level(logging.INFO, logger="gpu_offload"):
+        go.offload(model, arena=arena)  # grads="keep": they stay, and the log says how much
+    assert model.weight.grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+    assert f"{(16 + 4) * 4} bytes of gradients" in caplog.text and "grads='drop'" in caplog.text
+    go.reload(model)
+    go.offload(model, grads="copy", arena=arena)  # include_grads=True under its new name
+    assert model.weight.grad.untyped_storage().nbytes() == 0
+    go.reload(model)
+    assert torch.equal(model.weight.grad, grad)
+    with pytest.raises(go.OffloadError, match="expected one of 'keep', 'copy', 'drop'"):
+        go.offload(model, grads="free", arena=arena)
+    with pytest.raises(go.OffloadError, match="pass one"):
+        go.offload(model, grads="drop", include_grads=True, arena=arena)
+    assert not go.is_offloaded(model)
+    # With checksums, the copied state verifies on reload; the dropped gradients have nothing to verify.
+    go.offload(model, grads="drop", checksum=True, arena=arena)
+    go.reload(model, verify=True)
+    assert torch.equal(model.weight.grad, torch.zeros_like(grad))
+    # Offloaded twice with the gradients already dropped (a reload of the weights alone in between).
+    go.offload(model, grads="drop", arena=arena)
+    go.reload({"weight": model.weight, "bias": model.bias})
+    go.offload(model, grads="drop", arena=arena)
+    go.reload(model)
+    # discard: a dropped gradient has no host copy to give back, and comes back empty.
+    go.offload(model, grads="drop", arena=arena)
+    go.discard(model)
+    assert model.weight.grad.untyped_storage().nbytes() == 0 and go.offloaded_bytes() == 0
+
+
+def test_swap_drops_the_outgoing_gradients(device, arena):
+    policy, ref = torch.nn.Linear(4, 4).to(device), torch.nn.Linear(4, 4).to(device)
+    policy(torch.randn(2, 4, device=device)).sum().backward()
+    want = ref.weight.detach().clone()
+    go.offload(ref, arena=arena)
+    go.swap(policy, ref, grads="drop", arena=arena)
+    assert policy.weight.grad.untyped_storage().nbytes() == 0 and go.is_offloaded(policy)
+    assert torch.equal(ref.weight, want)
+    go.reload(policy)
+    assert torch.equal(policy.weight.grad, torch.zeros_like(policy.weight))
+
+
 def test_context_manager_and_drop_free_the_space(arena):
     state = {"w": torch.randn(1000)}
     with go.snapshot(state, arena=arena) as snap:

@@ -2,12 +2,17 @@
 
 A target is an nn.Module, a torch.optim.Optimizer, a Mapping of tensors (nested mappings and lists
 allowed, e.g. a state dict), a bare tensor, or a list/tuple of these. A list is its parts: element i's names get the
-prefix "i.". Strategy wrappers are detected from the objects themselves:
+prefix "i.". Modules and optimizers are asked of the strategy table (STRATEGIES, at the end): each adapter
+module declares the kinds it owns as `Strategy` rows (adapters.strategy), and the first row that recognizes
+an object names its state, its gradients and its shard layout:
 
+* DeepSpeed engines, ZeRO-3 modules and ZeRO optimizers (stages 0-3): each rank's partitions (adapters.deepspeed);
+* Megatron-core DDP: the flat param (and grad) buffers, and Megatron optimizers (adapters.megatron);
 * FSDP1 (FullyShardedDataParallel): each rank's flat-parameter shards (adapters.fsdp);
-* FSDP2 (fully_shard): the local shards of the DTensor parameters (adapters.fsdp);
-* Megatron-core DDP: the flat param (and grad) buffers (adapters.megatron), and Megatron optimizers;
-* DeepSpeed engines, ZeRO optimizers (stages 0-3) and ZeRO-3 modules: each rank's partitions (adapters.deepspeed).
+* FSDP2 (fully_shard): the DTensor parameters, whose local shards are copied (adapters.fsdp);
+* any other nn.Module and torch.optim.Optimizer (here).
+
+Recognizing an object imports no framework (FSDP, DeepSpeed and Megatron are looked for in sys.modules).
 
 Everything after this layer works on storages, so views, tied weights and flat buffers need no
 special case here.
@@ -22,7 +27,8 @@ import torch
 
 from .._errors import OffloadError
 from ..storages import PLAIN_TENSOR_TYPES
-
+from . import deepspeed, fsdp, megatron
+from .strategy import NamedTensors, Strategy
 
 
 class Named(Sequence[tuple[str, torch.Tensor]]):
@@ -53,11 +59,9 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
         return zip(self.names, self.tensors)
 
 
-NamedTensors = list[tuple[str, torch.Tensor]]
-
-
 def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = True) -> Named:
-    """Flattens `target` into (name, tensor) pairs in a deterministic order.
+    """Flattens `target` into (name, tensor) pairs in a deterministic order: the device state, then (with
+    include_grads) the gradients.
 
     reshard: let FSDP units left unsharded after a forward be resharded first (needed before writing into
     the shards; reads pass False so that an explicit unshard() is not undone).
@@ -70,24 +74,46 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
             return Named(list(target), list(target.values()))
         return Named([str(k) for k in target], list(target.values()))
     out: NamedTensors = []
-    _collect(target, "", include_grads, out, top=True, reshard=reshard)
-    return Named.from_pairs(out)
+    grads: NamedTensors = []
+    _collect(target, "", include_grads, out, grads, top=True, reshard=reshard)
+    return Named.from_pairs(out + grads)
+
+
+def gradient_tensors(target: Any) -> Named:
+    """The target's gradients only, as `named_tensors(target, include_grads=True)` names them (what
+    `offload(grads="drop")` releases). Reads: nothing is resharded."""
+    if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
+        return Named([], [])  # a mapping of tensors is all state
+    out: NamedTensors = []
+    grads: NamedTensors = []
+    _collect(target, "", True, out, grads, top=True, reshard=False)
+    return Named.from_pairs(grads)
+
+
+def strategy_of(obj: Any) -> Optional[Strategy]:
+    """The first strategy of the table that recognizes `obj` (None: not a module or an optimizer)."""
+    for strategy in STRATEGIES:
+        if strategy.recognizes(obj):
+            return strategy
+    return None
 
 
 def shard_info(target: Any) -> Optional[str]:
     """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
-    optimizers), as canonical JSON keyed by part index; None when nothing in it is sharded."""
-    from . import deepspeed, fsdp, megatron
-
+    optimizers, DeepSpeed), as canonical JSON keyed by part index; None when nothing in it is sharded."""
     info: dict[str, Any] = {}
     for i, part in enumerate(parts(target)):
-        if megatron.is_megatron_ddp(part) or megatron.is_megatron_optimizer(part):
-            info[str(i)] = megatron.megatron_shard_info(part)
-        elif deepspeed.is_deepspeed(part):
-            info[str(i)] = deepspeed.deepspeed_shard_info(part)
-        elif isinstance(part, torch.nn.Module) and (fsdp.is_fsdp1(part) or fsdp.is_fsdp2(part)):
-            info[str(i)] = fsdp.fsdp_shard_info(part)
+        strategy = strategy_of(part)
+        if strategy is not None and strategy.shard_info is not None:
+            part_info = strategy.shard_info(part)
+            if part_info is not None:
+                info[str(i)] = part_info
     return json.dumps(info, sort_keys=True, default=str) if info else None
+
+
+def state_dict_kinds() -> frozenset[str]:
+    """The shard-info kinds whose snapshots are state dicts (see Strategy.state_dict)."""
+    return frozenset(s.name for s in STRATEGIES if s.state_dict)
 
 
 def parts(target: Any) -> list[Any]:
@@ -97,24 +123,31 @@ def parts(target: Any) -> list[Any]:
     return [target]
 
 
-def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, top: bool = False,
-             reshard: bool = True) -> None:
+def _collect(obj: Any, prefix: str, include_grads: bool, out: NamedTensors, grads: NamedTensors,
+             top: bool = False, reshard: bool = True) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((prefix.rstrip(".") or "tensor", obj))
-    elif isinstance(obj, torch.nn.Module):
-        out.extend((prefix + name, t) for name, t in module_tensors(obj, include_grads=include_grads, reshard=reshard))
-    elif _is_optimizer(obj):
-        out.extend((prefix + name, t) for name, t in optimizer_tensors(obj, include_grads=include_grads))
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
-                out.append((f"{prefix}{key}", value))
-            else:
-                _collect(value, f"{prefix}{key}.", include_grads, out, reshard=reshard)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _collect(value, f"{prefix}{i}.", include_grads, out, reshard=reshard)
-    elif top or not _is_plain_value(obj):
+        return
+    if not isinstance(obj, torch.nn.Module):  # modules first: a module is never taken apart as a container
+        if isinstance(obj, Mapping):
+            for key, value in obj.items():
+                if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, inline
+                    out.append((f"{prefix}{key}", value))
+                else:
+                    _collect(value, f"{prefix}{key}.", include_grads, out, grads, reshard=reshard)
+            return
+        if isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                _collect(value, f"{prefix}{i}.", include_grads, out, grads, reshard=reshard)
+            return
+        if _is_plain_value(obj) and not top:
+            return
+    strategy = strategy_of(obj)
+    if strategy is not None:
+        state, obj_grads = strategy.named(obj, include_grads=include_grads, reshard=reshard)
+        out.extend((prefix + name, t) for name, t in state)
+        grads.extend((prefix + name, t) for name, t in obj_grads)
+    else:
         raise OffloadError(
             f"unsupported target {type(obj).__module__}.{type(obj).__qualname__}"
             f"{' at ' + prefix.rstrip('.') if prefix else ''}: expected an nn.Module, a torch.optim.Optimizer, "
@@ -127,29 +160,11 @@ def _is_plain_value(obj: Any) -> bool:
     return obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device))
 
 
-def _is_optimizer(obj: Any) -> bool:
-    if isinstance(obj, torch.optim.Optimizer):
-        return True
-    from . import deepspeed, megatron
-
-    return megatron.is_megatron_optimizer(obj) or deepspeed.is_deepspeed_optimizer(obj)
-
-
 def module_tensors(module: torch.nn.Module, *, include_grads: bool, reshard: bool = True) -> NamedTensors:
     """A module's parameters (and grads if asked) and buffers, through the strategy that wraps it."""
-    from . import deepspeed, fsdp, megatron
-
-    if deepspeed.is_deepspeed_engine(module):
-        return deepspeed.engine_named_tensors(module, include_grads=include_grads, reshard=reshard)
-    if deepspeed.is_zero3_module(module):
-        return deepspeed.zero3_module_named_tensors(module, include_grads=include_grads, reshard=reshard)
-    if megatron.is_megatron_ddp(module):
-        return megatron.megatron_ddp_named_tensors(module, include_grads=include_grads)
-    if fsdp.is_fsdp1(module):
-        return fsdp.fsdp1_named_tensors(module, include_grads=include_grads, reshard=reshard)
-    if fsdp.is_fsdp2(module):
-        return fsdp.fsdp2_named_tensors(module, include_grads=include_grads, reshard=reshard)
-    return plain_module_tensors(module, include_grads=include_grads)
+    strategy = strategy_of(module) or PLAIN_MODULE
+    state, grads = strategy.named(module, include_grads=include_grads, reshard=reshard)
+    return state + grads
 
 
 def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:
@@ -163,16 +178,21 @@ def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> Nam
     return out
 
 
+def _plain_module_named(module: torch.nn.Module, *, include_grads: bool,
+                        reshard: bool = True) -> tuple[NamedTensors, NamedTensors]:
+    params = list(module.named_parameters(remove_duplicate=False))
+    out: NamedTensors = list(params)
+    out.extend(module.named_buffers(remove_duplicate=False))
+    grads = [(f"{name}.grad", p.grad) for name, p in params if p.grad is not None] if include_grads else []
+    return out, grads
+
+
 def optimizer_tensors(optimizer: Any, *, include_grads: bool = False) -> NamedTensors:
     """The optimizer's state tensors, named "state.<param index>.<key>" with parameters numbered in
     param_groups order, as torch's own state_dict() numbers them."""
-    from . import deepspeed, megatron
-
-    if megatron.is_megatron_optimizer(optimizer):
-        return megatron.megatron_optimizer_named_tensors(optimizer)
-    if deepspeed.is_deepspeed_optimizer(optimizer):
-        return deepspeed.optimizer_named_tensors(optimizer, include_grads=include_grads)
-    return torch_optimizer_tensors(optimizer)
+    strategy = strategy_of(optimizer) or TORCH_OPTIMIZER
+    state, grads = strategy.named(optimizer, include_grads=include_grads, reshard=True)
+    return state + grads
 
 
 def torch_optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "") -> NamedTensors:
@@ -188,3 +208,32 @@ def torch_optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "") 
                         out.append((f"{prefix}state.{index}.{key}", value))
             index += 1
     return out
+
+
+def _torch_optimizer_named(optimizer: Any, *, include_grads: bool,
+                           reshard: bool = True) -> tuple[NamedTensors, NamedTensors]:
+    # A torch optimizer holds no gradients of its own: they are its parameters' (the module's).
+    return torch_optimizer_tensors(optimizer), []
+
+
+#: A module no framework wraps: parameters and buffers under every name they have, then "<name>.grad".
+PLAIN_MODULE = Strategy("module", lambda obj: isinstance(obj, torch.nn.Module), _plain_module_named)
+#: A torch.optim.Optimizer: its state, "state.<param index>.<key>".
+TORCH_OPTIMIZER = Strategy("torch_optimizer", lambda obj: isinstance(obj, torch.optim.Optimizer),
+                           _torch_optimizer_named)
+
+#: The strategy table, asked in order: the first that recognizes an object owns it. Wrappers come before
+#: what they wrap (a DeepSpeed engine is a module; a ZeRO-3 module may sit inside other wrappers), and the
+#: plain module and the torch optimizer last. Adding a strategy is adding a module that declares a
+#: Strategy, and a row here.
+STRATEGIES: tuple[Strategy, ...] = (
+    deepspeed.DEEPSPEED_ENGINE,
+    deepspeed.ZERO3_MODULE,
+    megatron.MEGATRON_DDP,
+    fsdp.FSDP1,
+    fsdp.FSDP2,
+    megatron.MEGATRON_OPTIMIZER,
+    deepspeed.DEEPSPEED_OPTIMIZER,
+    PLAIN_MODULE,
+    TORCH_OPTIMIZER,
+)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._errors import OffloadError
+from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ __all__ = [
     "zero3_module_named_tensors",
     "deepspeed_shard_info",
     "release_gathered",
+    "DEEPSPEED_ENGINE",
+    "ZERO3_MODULE",
+    "DEEPSPEED_OPTIMIZER",
 ]
 
 _ENGINE = ("deepspeed.runtime.engine", "DeepSpeedEngine")
@@ -319,6 +323,11 @@ def zero3_module_named_tensors(module: torch.nn.Module, *, include_grads: bool, 
     return _flatten(deepspeed_state(module, include_grads=include_grads, reshard=reshard))
 
 
+def _named(obj: Any, *, include_grads: bool, reshard: bool = True) -> tuple[Named, Named]:
+    cats = deepspeed_state(obj, include_grads=include_grads, reshard=reshard)
+    return [item for c in CATEGORIES if c != "lp_grads" for item in cats[c]], cats["lp_grads"]
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 
@@ -371,3 +380,12 @@ def deepspeed_shard_info(obj: Any) -> dict[str, Any]:
     if is_zero3_module(obj):
         return {"kind": "deepspeed_zero3_module", **_zero3_module_info(obj)}
     raise OffloadError(f"{type(obj).__qualname__} is not a DeepSpeed engine, optimizer or ZeRO-3 module")
+
+
+# -------------------------------------------------------------------------------------- the strategies
+
+#: A DeepSpeed engine (its module and optimizer), a module whose parameters ZeRO-3 partitions, and a
+#: DeepSpeed optimizer alone (its fp32 masters and inner state). Gradients are the ``lp_grads`` category.
+DEEPSPEED_ENGINE = Strategy("deepspeed_engine", is_deepspeed_engine, _named, deepspeed_shard_info)
+ZERO3_MODULE = Strategy("deepspeed_zero3_module", is_zero3_module, _named, deepspeed_shard_info)
+DEEPSPEED_OPTIMIZER = Strategy("deepspeed_optimizer", is_deepspeed_optimizer, _named, deepspeed_shard_info)

@@ -8,7 +8,9 @@ alone covers them. The all-gather buffer ``_full_param_padded`` and the mixed-pr
 scratch that FSDP frees itself and are never reported.
 
 FSDP2 (``fully_shard``) keeps, per parameter, a padded 1-D ``FSDPParam._sharded_param_data``; the
-parameter's DTensor ``_local_tensor`` is a narrow view of it, so its storage is the one to move.
+parameter's DTensor ``_local_tensor`` is a narrow view of it, so its storage is the one to move. The
+parameters are named as the DTensors they are, under their own names: a snapshot of an FSDP2 module is
+its state dict, which ``Snapshot.state_dict()`` hands to torch.distributed.checkpoint as DTensors.
 
 Both versions leave the *root* unit unsharded after a forward (the root is not resharded until backward),
 most visibly after a ``no_grad`` forward. The next forward then reuses the unsharded copy without an
@@ -22,12 +24,14 @@ Only local shards are touched: no ``summon_full_params``, no collective.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .._errors import OffloadError
+from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ __all__ = [
     "is_fsdp2",
     "fsdp2_named_tensors",
     "fsdp_shard_info",
+    "FSDP1",
+    "FSDP2",
 ]
 
 # FSDP1 inserts this attribute name between a wrapper and its wrapped module; stripping it gives the
@@ -44,8 +50,14 @@ __all__ = [
 _FSDP1_PREFIX = "_fsdp_wrapped_module."
 
 
+def _fsdp_loaded() -> bool:
+    # An FSDP object exists only once its package is imported: until then nothing is FSDP, and importing it
+    # to find out would load torch.distributed.fsdp (and sympy with it) for a model that uses no FSDP.
+    return "torch.distributed.fsdp" in sys.modules or "torch.distributed._composable.fsdp" in sys.modules
+
+
 def _fsdp1_class() -> type | None:
-    if not torch.distributed.is_available():
+    if not _fsdp_loaded() or not torch.distributed.is_available():
         return None
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -55,7 +67,7 @@ def _fsdp1_class() -> type | None:
 
 
 def _fsdp2_class() -> type | None:
-    if not torch.distributed.is_available():
+    if not _fsdp_loaded() or not torch.distributed.is_available():
         return None
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -85,11 +97,6 @@ def _clean(name: str) -> str:
     return name.replace(_FSDP1_PREFIX, "").replace("._fsdp_wrapped_module", "")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor's bytes live in its local tensor; the core groups by that storage.
-    return getattr(t, "_local_tensor", t)
-
-
 def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
     """Raise when ``module`` mixes ``strategy`` with a wrapper whose state this adapter would miss."""
     found = []
@@ -113,8 +120,9 @@ def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
 
 def _plain_tensors(
     module: nn.Module, managed: set[int], include_grads: bool
-) -> list[tuple[str, torch.Tensor]]:
-    """Parameters no FSDP unit manages (ignored or outside every unit) plus all buffers: replicated state."""
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Parameters no FSDP unit manages (ignored or outside every unit) plus all buffers: replicated state;
+    and their gradients. DTensors are listed as such (the core copies their local shards)."""
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     # Every name of a tied tensor is listed, as the core does for plain modules, so that a twin is checked
@@ -122,12 +130,12 @@ def _plain_tensors(
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in managed:
             continue
-        out.append((_clean(name), _local(p)))
+        out.append((_clean(name), p))
         if include_grads and p.grad is not None:
-            grads.append((f"{_clean(name)}.grad", _local(p.grad)))
+            grads.append((f"{_clean(name)}.grad", p.grad))
     for name, b in module.named_buffers(remove_duplicate=False):
-        out.append((_clean(name), _local(b)))
-    return out + grads
+        out.append((_clean(name), b))
+    return out, grads
 
 
 # ----------------------------------------------------------------------------------------------- FSDP1
@@ -188,6 +196,12 @@ def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
     ``<unit path>._flat_param`` (``_flat_param`` for the root unit), the ordinary names of parameters
     outside every unit and of buffers, and ``<name>.grad`` for gradients with ``include_grads``.
     """
+    state, grads = _fsdp1_named(module, include_grads=include_grads, reshard=reshard)
+    return state + grads
+
+
+def _fsdp1_named(module: nn.Module, *, include_grads: bool,
+                 reshard: bool) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     if not is_fsdp1(module):
         raise OffloadError(f"{type(module).__name__} contains no FullyShardedDataParallel unit")
     _reject_other_wrappers(module, "fsdp1")
@@ -200,14 +214,15 @@ def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
         name = f"{path}._flat_param" if path else "_flat_param"
         out.append((name, fp))
         managed.add(id(fp))
-        # With use_orig_params the originals are views into the shard (or empty on this rank).
+        # With use_orig_params the originals are views into the shard (or empty on this rank), and their
+        # gradients views into the flat gradient.
         for attr in ("_params", "_shared_params"):
             for p in getattr(fp, attr, None) or ():
                 managed.add(id(p))
         if include_grads and fp.grad is not None:
             grads.append((f"{name}.grad", fp.grad))
-    plain = _plain_tensors(module, managed, include_grads)
-    return out + grads + plain
+    plain, plain_grads = _plain_tensors(module, managed, include_grads)
+    return out + plain, grads + plain_grads
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2
@@ -245,13 +260,21 @@ def _fsdp2_ensure_sharded(path: str, module: nn.Module, group: Any) -> None:
 
 
 def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool = True) -> list[tuple[str, torch.Tensor]]:
-    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below).
-    """This rank's FSDP2 device state: each parameter's padded local shard, then plain params and buffers.
+    """This rank's FSDP2 device state: each parameter (a DTensor, whose local shard is a narrow view of its
+    padded ``_sharded_param_data``: the whole storage is copied), then plain params and buffers.
 
-    Names are the ordinary parameter and buffer names (every name of a tied one); with ``include_grads``
-    ``<name>.grad`` for the sharded gradient (FSDP2 puts a group's gradients in one storage) and
-    ``<name>.grad_unsharded`` for gradients accumulated unsharded while gradient sync is off.
+    Names are the ordinary parameter and buffer names (every name of a tied one), so a snapshot's tensors
+    are the module's state dict; with ``include_grads`` ``<name>.grad`` for the sharded gradient (FSDP2
+    puts a group's gradients in one storage) and ``<name>.grad_unsharded`` for gradients accumulated
+    unsharded while gradient sync is off.
     """
+    state, grads = _fsdp2_named(module, include_grads=include_grads, reshard=reshard)
+    return state + grads
+
+
+def _fsdp2_named(module: nn.Module, *, include_grads: bool,
+                 reshard: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below).
     if not is_fsdp2(module):
         raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
     _reject_other_wrappers(module, "fsdp2")
@@ -270,11 +293,10 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
         if fsdp_param is None:
             continue
         managed.add(id(p))
-        # The padded 1-D tensor spans the whole storage; the DTensor's local tensor is a narrow view of it.
-        out.append((name, fsdp_param._sharded_param_data))
+        out.append((name, p))
         if include_grads:
             if p.grad is not None:
-                grads.append((f"{name}.grad", _local(p.grad)))
+                grads.append((f"{name}.grad", p.grad))
             # Without gradient sync FSDP2 accumulates unsharded gradients, in reduce_dtype or on the
             # unsharded parameter, which outlive the reshard.
             acc = getattr(fsdp_param, "unsharded_accumulated_grad", None)
@@ -288,7 +310,8 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
         raise OffloadError(
             f"{missing} fully_shard parameter(s) are not registered on the module, so they cannot be named"
         )
-    return out + grads + _plain_tensors(module, managed, include_grads)
+    plain, plain_grads = _plain_tensors(module, managed, include_grads)
+    return out + plain, grads + plain_grads
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -346,3 +369,12 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
     else:
         raise OffloadError(f"{type(module).__name__} is not (only) FSDP1 or FSDP2")
     return info
+
+
+# -------------------------------------------------------------------------------------- the strategies
+
+#: FSDP1 (its flat parameters are shards, not a state dict) and FSDP2 (its parameters are DTensors under
+#: their own names: a snapshot is a reshardable state dict).
+FSDP1 = Strategy("fsdp1", lambda obj: isinstance(obj, nn.Module) and is_fsdp1(obj), _fsdp1_named, fsdp_shard_info)
+FSDP2 = Strategy("fsdp2", lambda obj: isinstance(obj, nn.Module) and is_fsdp2(obj), _fsdp2_named, fsdp_shard_info,
+                 state_dict=True)

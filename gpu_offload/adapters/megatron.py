@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._errors import OffloadError
+from .strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ __all__ = [
     "is_megatron_optimizer",
     "megatron_optimizer_named_tensors",
     "megatron_shard_info",
+    "MEGATRON_DDP",
+    "MEGATRON_OPTIMIZER",
 ]
 
 _DDP_MODULE = "megatron.core.distributed.distributed_data_parallel"
@@ -83,6 +86,14 @@ def megatron_ddp_named_tensors(ddp: Any, *, include_grads: bool) -> list[tuple[s
     handles by storage); with ``include_grads`` ``buffers.<i>.grad_data`` and ``<name>.grad`` for any
     parameter whose gradient lives outside the grad buffers.
     """
+    state, grads = _ddp_named(ddp, include_grads=include_grads)
+    return state + grads
+
+
+def _ddp_named(ddp: Any, *, include_grads: bool,
+               reshard: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    # reshard: nothing is gathered outside a forward/backward (the distributed optimizer's all-gather
+    # writes param_data itself).
     if not _isinstance(ddp, _DDP_MODULE, "DistributedDataParallel"):
         raise OffloadError(
             f"unsupported Megatron data-parallel wrapper {type(ddp).__module__}.{type(ddp).__qualname__}: only "
@@ -107,7 +118,7 @@ def megatron_ddp_named_tensors(ddp: Any, *, include_grads: bool) -> list[tuple[s
         if include_grads and p.grad is not None and p.grad.untyped_storage()._cdata not in grad_storages:
             grads.append((f"{name}.grad", p.grad))
     out.extend(ddp.named_buffers(remove_duplicate=False))
-    return out + grads
+    return out, grads
 
 
 def is_megatron_optimizer(obj: Any) -> bool:
@@ -178,6 +189,13 @@ def megatron_optimizer_named_tensors(opt: Any) -> list[tuple[str, torch.Tensor]]
     return out
 
 
+def _optimizer_named(opt: Any, *, include_grads: bool,
+                     reshard: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    # The masters' gradients are views into the chunks' grad buffers (or copies made inside step()): they
+    # belong to the model chunks.
+    return megatron_optimizer_named_tensors(opt), []
+
+
 def _group_coords(pg: Any) -> tuple[int, int]:
     if pg is None:
         return 1, 0
@@ -219,3 +237,10 @@ def megatron_shard_info(obj: Any) -> dict[str, Any]:
             parts.append(entry)
         return {"kind": "megatron_optimizer", "optimizers": parts}
     raise OffloadError(f"{type(obj).__qualname__} is neither a megatron-core DDP chunk nor a Megatron optimizer")
+
+
+# -------------------------------------------------------------------------------------- the strategies
+
+#: DDP model chunks (flat param/grad buffers) and Megatron optimizers (fp32 masters, inner state).
+MEGATRON_DDP = Strategy("megatron_ddp", is_megatron_ddp, _ddp_named, megatron_shard_info)
+MEGATRON_OPTIMIZER = Strategy("megatron_optimizer", is_megatron_optimizer, _optimizer_named, megatron_shard_info)

@@ -21,7 +21,10 @@ What each of DeepSpeed's ``OffloadStateTypeEnum`` values selects (see gpu_offloa
 =========================  ===========================================================================
 ``lp_params``              the 16-bit (or fp32 when training in fp32) model weights: ZeRO 1/2
                            ``bit16_groups_flat``, ZeRO-3 ``ds_tensor`` partitions (``lp_param_buffer``),
-                           stage 0 the parameters; and the module's buffers
+                           stage 0 the parameters; and the module's buffers. ZeRO-3 parameters gathered
+                           now (the persistent ones below ``stage3_param_persistence_threshold``, whole
+                           on every rank) are released first, and only then: without ``lp_params`` they
+                           stay as they are, ready for a forward
 ``hp_params``              the fp32 master partitions (``single_partition_of_fp32_groups``,
                            ``fp32_partitioned_groups_flat``, stage-0 ``fp32_groups``)
 ``optim_states``           the inner optimizer's state (Adam's moments and step), any optimizer
@@ -99,7 +102,10 @@ def offload_states(engine: Any, include: Optional[Container[Any]] = None, device
     if str(getattr(device, "value", device)) != "cpu":
         raise OffloadError(f"offload_states moves states to the CPU only, got device={device!r}")
     chosen = _selected(include)
-    cats = _ds.deepspeed_state(engine, include_grads="lp_grads" in chosen)
+    # Gathered ZeRO-3 parameters (the persistent small ones, kept whole on every rank, and any a forward
+    # left gathered) are 16-bit weights: released only when lp_params is asked for, so that a forward
+    # with the weights kept (OpenRLHF during generation) finds them as they were.
+    cats = _ds.deepspeed_state(engine, include_grads="lp_grads" in chosen, reshard="lp_params" in chosen)
     named = {name: t for c in _ds.CATEGORIES if c in chosen for name, t in cats[c]}
     # Only storages that hold memory (a released ZeRO-3 gathered copy, an unused grad list entry, ...).
     named = {n: t for n, t in named.items() if unwrap(t).untyped_storage().nbytes() > 0}
