@@ -110,7 +110,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
         layout = resolved.layout
         plans = resolved.plan.copies()
-        region = arena._allocate(layout.host_bytes)
+        region = arena._allocate(layout.host_bytes, devices=layout.devices)
         try:
             # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
@@ -221,7 +221,7 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         if not live:
             raise OffloadError("nothing to offload: the target holds no device memory")
         plans = resolved.plan.copies()
-        region = arena._allocate(layout.host_bytes, users=len(live))
+        region = arena._allocate(layout.host_bytes, users=len(live), devices=layout.devices)
         try:
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
             events = plans.run(True, region.ptr)
