@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <sstream>
 
 #include "cuda_backend.hpp"
 #include "errors.hpp"
@@ -195,22 +197,59 @@ std::size_t cgroup_reclaimable(const char* stat_path, const char* key) {
   return 0;
 }
 
+// cgroup v1 reports "no limit" as a huge number rather than "max".
+constexpr std::size_t kNoLimit = std::size_t(1) << 60;
+
+// The memory cgroups that hold this process, under root, as (folder, is v2): its own and every one above
+// it, for its v2 path (the "0::" line of /proc/self/cgroup) and its v1 memory controller's. Without a
+// cgroup namespace (a Slurm job, a systemd slice) the limit sits on a nested folder; inside a container
+// with one, the path is "/" and the limit is on root itself; a path that does not exist under root (a
+// container without a namespace) is skipped up to where it does. No text: root's own files.
+std::vector<std::pair<std::string, bool>> memory_cgroups(const std::string& root, const std::string& proc_self_cgroup) {
+  if (proc_self_cgroup.empty()) return {{root, true}, {root + "/memory", false}};
+  std::vector<std::pair<std::string, bool>> out;
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const auto first = line.find(':'), second = line.find(':', first + 1);
+    if (first == std::string::npos || second == std::string::npos) continue;
+    const std::string controllers = "," + line.substr(first + 1, second - first - 1) + ",";
+    const bool v2 = line.compare(0, first, "0") == 0 && controllers == ",,";
+    if (!v2 && controllers.find(",memory,") == std::string::npos) continue;
+    const std::string base = v2 ? root : root + "/memory";
+    std::string path = line.substr(second + 1);
+    if (path == "/") path.clear();
+    while (true) {
+      out.emplace_back(base + path, v2);
+      if (path.empty()) break;
+      const auto slash = path.rfind('/');
+      path.resize(slash == std::string::npos ? 0 : slash);  // its parent ("" for the root)
+    }
+  }
+  return out;
+}
+
+std::string self_cgroup() {
+  std::ifstream file("/proc/self/cgroup");
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
 }  // namespace
 
-std::size_t cgroup_headroom(const std::string& root) {
-  std::size_t limit = 0, usage = 0;
-  if (read_cgroup_value((root + "/memory.max").c_str(), &limit) &&
-      read_cgroup_value((root + "/memory.current").c_str(), &usage)) {
-    usage -= std::min(usage, cgroup_reclaimable((root + "/memory.stat").c_str(), "inactive_file"));
-    return limit > usage ? limit - usage : 1;
+std::size_t cgroup_headroom(const std::string& root, const std::string& proc_self_cgroup) {
+  std::size_t headroom = 0;
+  for (const auto& [dir, v2] : memory_cgroups(root, proc_self_cgroup)) {
+    std::size_t limit = 0, usage = 0;
+    if (!read_cgroup_value((dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes")).c_str(), &limit) ||
+        limit >= kNoLimit ||
+        !read_cgroup_value((dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")).c_str(), &usage)) {
+      continue;
+    }
+    usage -= std::min(usage, cgroup_reclaimable((dir + "/memory.stat").c_str(), v2 ? "inactive_file" : "total_inactive_file"));
+    const std::size_t room = limit > usage ? limit - usage : 1;
+    if (headroom == 0 || room < headroom) headroom = room;
   }
-  // cgroup v1 reports "no limit" as a huge number rather than "max".
-  if (read_cgroup_value((root + "/memory/memory.limit_in_bytes").c_str(), &limit) &&
-      read_cgroup_value((root + "/memory/memory.usage_in_bytes").c_str(), &usage) && limit < (std::size_t(1) << 60)) {
-    usage -= std::min(usage, cgroup_reclaimable((root + "/memory/memory.stat").c_str(), "total_inactive_file"));
-    return limit > usage ? limit - usage : 1;
-  }
-  return 0;
+  return headroom;
 }
 
 std::size_t available_host_memory() {
@@ -224,18 +263,21 @@ std::size_t available_host_memory() {
       break;
     }
   }
-  const std::size_t headroom = cgroup_headroom("/sys/fs/cgroup");
+  const std::size_t headroom = cgroup_headroom("/sys/fs/cgroup", self_cgroup());
   if (headroom != 0 && (available == 0 || headroom < available)) return headroom;
   return available;
 }
 
-std::size_t cgroup_limit(const std::string& root) {
+std::size_t cgroup_limit(const std::string& root, const std::string& proc_self_cgroup) {
   std::size_t limit = 0;
-  if (read_cgroup_value((root + "/memory.max").c_str(), &limit)) return limit;
-  if (read_cgroup_value((root + "/memory/memory.limit_in_bytes").c_str(), &limit) && limit < (std::size_t(1) << 60)) {
-    return limit;
+  for (const auto& [dir, v2] : memory_cgroups(root, proc_self_cgroup)) {
+    std::size_t value = 0;
+    if (read_cgroup_value((dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes")).c_str(), &value) &&
+        value < kNoLimit && (limit == 0 || value < limit)) {
+      limit = value;
+    }
   }
-  return 0;
+  return limit;
 }
 
 std::size_t host_memory_limit() {
@@ -248,7 +290,7 @@ std::size_t host_memory_limit() {
       break;
     }
   }
-  const std::size_t limit = cgroup_limit("/sys/fs/cgroup");
+  const std::size_t limit = cgroup_limit("/sys/fs/cgroup", self_cgroup());
   if (limit != 0 && (total == 0 || limit < total)) return limit;
   return total;
 }

@@ -163,11 +163,13 @@ std::size_t available_host_memory();
 // All the host memory this process may have: MemTotal, or the memory cgroup's limit where that is lower;
 // 0 when unknown. What a fractional GPU_OFFLOAD_NODE_MAX_BYTES is a fraction of.
 std::size_t host_memory_limit();
-// The memory cgroup's limit under root (v2 memory.max, else v1 memory.limit_in_bytes); 0: no limit.
-std::size_t cgroup_limit(const std::string& root);
+// The memory limit that holds this process: the smallest v2 memory.max or v1 memory.limit_in_bytes, under
+// root, of its own cgroup and those above it, as proc_self_cgroup (the text of /proc/self/cgroup) names
+// them (empty: root's own files); 0: no limit.
+std::size_t cgroup_limit(const std::string& root, const std::string& proc_self_cgroup = "");
 
-// Room left under the memory cgroup mounted at root (v2 files, else v1's memory/ controller), page cache
-// not counted; 0 when there is no limit. Inside a container MemAvailable is the host's figure.
-std::size_t cgroup_headroom(const std::string& root);
+// Room left under the memory cgroups that hold this process (see cgroup_limit; the smallest of limit minus
+// usage, page cache not counted); 0 when none has a limit. Inside a container MemAvailable is the host's.
+std::size_t cgroup_headroom(const std::string& root, const std::string& proc_self_cgroup = "");
 
 }  // namespace gpu_offload

@@ -135,6 +135,43 @@ TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
   CHECK(gpu_offload::cgroup_headroom(root) == 8000 - 4000);
 }
 
+TEST_CASE(cgroup_limit_and_headroom_are_the_smallest_over_the_process_cgroup_and_its_parents) {
+  char dir_template[] = "/tmp/go_cgroup_XXXXXX";
+  const std::string root = mkdtemp(dir_template);
+  auto write = [&](const std::string& name, const std::string& text) { std::ofstream(root + "/" + name) << text; };
+  const std::string v2 = "0::/job_7/step_0\n";
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 0);  // no files: no limit known
+  mkdir((root + "/job_7").c_str(), 0700);
+  mkdir((root + "/job_7/step_0").c_str(), 0700);
+  write("job_7/step_0/memory.max", "max\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 0);
+  write("job_7/memory.max", "50000\n");  // a Slurm job's limit, one level up (no cgroup namespace)
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 50000);
+  write("job_7/step_0/memory.max", "70000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 50000);  // the smallest on the way up holds
+  // The headroom is taken where the limits are: the job's 50000 minus its use, not root's figures.
+  write("job_7/memory.current", "20000\n");
+  write("job_7/step_0/memory.current", "15000\n");
+  CHECK(gpu_offload::cgroup_headroom(root, v2) == 30000);
+  CHECK(gpu_offload::cgroup_headroom(root) == 0);  // root alone has no limit
+  write("memory.max", "40000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 40000);
+  CHECK(gpu_offload::cgroup_limit(root, "0::/\n") == 40000);  // a container's own namespace: root's
+  CHECK(gpu_offload::cgroup_limit(root, "0::/elsewhere/abc\n") == 40000);  // a path not mounted here
+  CHECK(gpu_offload::cgroup_limit(root, "") == 40000);  // no /proc/self/cgroup: root's files
+  // cgroup v1: the memory controller's line, its folder under memory/, "no limit" as a huge number.
+  const std::string v1 = "9:pids:/\n4:cpu,memory:/process_api/abc\n0::/\n";
+  std::remove((root + "/memory.max").c_str());
+  mkdir((root + "/memory").c_str(), 0700);
+  mkdir((root + "/memory/process_api").c_str(), 0700);
+  mkdir((root + "/memory/process_api/abc").c_str(), 0700);
+  write("memory/memory.limit_in_bytes", "9223372036854771712\n");
+  write("memory/process_api/abc/memory.limit_in_bytes", "9223372036854771712\n");
+  CHECK(gpu_offload::cgroup_limit(root, v1) == 0);
+  write("memory/process_api/memory.limit_in_bytes", "8000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v1) == 8000);
+}
+
 TEST_CASE(an_empty_arena_takes_any_request_under_its_cap) {
   // Four slabs kept empty after use fill the cap; a region cannot span them, so they must go first.
   HostArena arena(8 * kMiB, 2 * kMiB, PinMode::kNone);
