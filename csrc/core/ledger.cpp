@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -26,6 +27,11 @@ constexpr off_t kSlotBytes = 32;
 constexpr std::size_t kNamedUsers = 3;  // the largest other users an error names
 
 off_t slot_offset(std::size_t index) { return kHeaderBytes + static_cast<off_t>(index) * kSlotBytes; }
+
+// The sum of what the slots hold, saturating: a crafted or corrupt file cannot wrap it below the budget.
+std::size_t add_saturating(std::size_t a, std::uint64_t b) {
+  return b > SIZE_MAX - a ? SIZE_MAX : a + static_cast<std::size_t>(b);
+}
 
 std::string human(std::size_t bytes) {
   char buf[64];
@@ -123,6 +129,14 @@ bool NodeLedger::open_file(bool create) {
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     close(fd);
     GO_CHECK(false, "the node ledger " + path_ + " is not a regular file");
+  }
+  if (st.st_uid != getuid()) {
+    // /dev/shm is writable by everyone: a file of this name that another user made could steer this
+    // process's budget (or read its figures). Refused rather than trusted.
+    close(fd);
+    GO_CHECK(false, "the node ledger " + path_ + " belongs to uid " + std::to_string(st.st_uid) + ", not to this " +
+                        "process's uid " + std::to_string(getuid()) + "; remove it, or point GPU_OFFLOAD_LEDGER_DIR " +
+                        "at a folder of your own");
   }
   fd_ = fd;
   return true;
@@ -224,7 +238,7 @@ void NodeLedger::reserve(std::size_t num_bytes) {
     std::vector<Slot> slots = read_slots();
     reclaim_dead(&slots);
     std::size_t total = 0;
-    for (const Slot& s : slots) total += s.bytes;
+    for (const Slot& s : slots) total = add_saturating(total, s.bytes);
     if (num_bytes > max_bytes_ || total > max_bytes_ - num_bytes) {
       std::vector<LedgerUser> others;
       for (std::size_t i = 0; i < slots.size(); ++i) {
@@ -238,14 +252,14 @@ void NodeLedger::reserve(std::size_t num_bytes) {
           users += (users.empty() ? "" : ", ") + std::string("pid ") + std::to_string(others[i].pid) + " holds " +
                    human(others[i].bytes);
         } else {
-          rest += others[i].bytes;
+          rest = add_saturating(rest, others[i].bytes);
         }
       }
       if (others.size() > kNamedUsers) {
         users += " and " + std::to_string(others.size() - kNamedUsers) + " more hold " + human(rest);
       }
       GO_CHECK(false, "node host-memory budget exceeded: pinning " + human(num_bytes) +
-                          " more would bring the node's processes to " + human(total + num_bytes) +
+                          " more would bring the node's processes to " + human(add_saturating(total, num_bytes)) +
                           ", over the budget of " + human(max_bytes_) + " (GPU_OFFLOAD_NODE_MAX_BYTES, ledger " +
                           path_ + "); this process (pid " + std::to_string(getpid()) + ") holds " + human(own_bytes_) +
                           "; the largest other users: " + (users.empty() ? std::string("none") : users) +
@@ -295,7 +309,7 @@ LedgerState NodeLedger::state() {
     reclaim_dead(&slots);
     for (const Slot& s : slots) {
       if (s.bytes == 0) continue;
-      out.reserved_bytes += s.bytes;
+      out.reserved_bytes = add_saturating(out.reserved_bytes, s.bytes);
       out.users.push_back({s.pid, s.bytes});
     }
   } catch (...) {

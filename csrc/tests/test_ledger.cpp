@@ -1,8 +1,10 @@
 // The node ledger across real processes: fork() stands for the ranks of a node.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -193,6 +195,71 @@ TEST_CASE(eight_processes_of_random_reserves_and_releases_never_exceed_the_budge
   auto state = ledger.state();
   CHECK(state.reserved_bytes == 0 && state.users.empty());
   ledger.configure(dir, 0);
+}
+
+TEST_CASE(a_crafted_ledger_cannot_wrap_the_total_or_come_from_another_user) {
+  NodeLedger& ledger = NodeLedger::instance();
+  const std::string dir = temp_dir();
+  const std::string path = dir + "/gpu_offload-ledger-uid" + std::to_string(getuid());
+  // Two live slots of 2^63 bytes each: a plain sum wraps to 0 and would let anything through.
+  {
+    char header[64] = {'G', 'O', 'L', 'E', 'D', 'G', '0', '1'};
+    std::uint64_t slots[2][4] = {{1, 0, 1ull << 63, 0}, {1, 0, 1ull << 63, 0}};
+    FILE* f = std::fopen(path.c_str(), "wb");
+    CHECK(f != nullptr);
+    std::fwrite(header, 1, sizeof(header), f);
+    std::fwrite(slots, 1, sizeof(slots), f);
+    std::fclose(f);
+  }
+  Ready ready, done;
+  const pid_t holder = spawn([&] {  // keeps both slots alive, as their owners would
+    const int fd = open(path.c_str(), O_RDWR);
+    for (off_t offset : {off_t(64), off_t(96)}) {
+      struct flock fl = {};
+      fl.l_type = F_WRLCK;
+      fl.l_whence = SEEK_SET;
+      fl.l_start = offset;
+      fl.l_len = 1;
+      if (fd < 0 || fcntl(fd, F_OFD_SETLK, &fl) != 0) return 1;
+    }
+    ready.signal();
+    done.wait();
+    return 0;
+  });
+  ready.wait();
+  ledger.configure(dir, 8 * kMiB);
+  std::string what;
+  try {
+    ledger.reserve(kMiB);
+  } catch (const gpu_offload::Error& e) {
+    what = e.what();
+  }
+  CHECK(what.find("node host-memory budget exceeded") != std::string::npos);
+  CHECK(ledger.state().reserved_bytes == SIZE_MAX);  // saturated, not wrapped
+  done.signal();
+  CHECK(exit_code(holder) == 0);
+  ledger.reserve(kMiB);  // the holder is gone: both slots are taken back
+  CHECK(ledger.state().reserved_bytes == kMiB);
+  ledger.release(kMiB);
+  ledger.configure(dir, 0);
+  // A ledger file of another user's (in a folder everyone may write, such as /dev/shm) is refused.
+  if (getuid() == 0) {
+    const std::string other_dir = temp_dir();
+    const std::string other = other_dir + "/gpu_offload-ledger-uid0";
+    std::fclose(std::fopen(other.c_str(), "wb"));
+    CHECK(chown(other.c_str(), 12345, 12345) == 0);
+    ledger.configure(other_dir, 8 * kMiB);
+    what.clear();
+    try {
+      ledger.reserve(kMiB);
+    } catch (const gpu_offload::Error& e) {
+      what = e.what();
+    }
+    CHECK(what.find("belongs to uid 12345") != std::string::npos);
+    ledger.configure(other_dir, 0);
+  } else {
+    std::printf("  (not root: the other-user case is not run)\n");
+  }
 }
 
 TEST_CASE(without_a_budget_nothing_is_recorded) {
