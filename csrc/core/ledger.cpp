@@ -122,21 +122,21 @@ bool NodeLedger::open_file(bool create) {
   const int fd = open(path_.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT : 0), 0600);
   if (fd < 0) {
     if (!create && errno == ENOENT) return false;
-    GO_CHECK(false, "cannot open the node ledger " + path_ + ": " + std::strerror(errno) +
-                        " (GPU_OFFLOAD_LEDGER_DIR must name a folder that every process of the node can write)");
+    GO_FAIL("cannot open the node ledger " + path_ + ": " + std::strerror(errno) +
+            " (GPU_OFFLOAD_LEDGER_DIR must name a folder that every process of the node can write)");
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     close(fd);
-    GO_CHECK(false, "the node ledger " + path_ + " is not a regular file");
+    GO_FAIL("the node ledger " + path_ + " is not a regular file");
   }
   if (st.st_uid != getuid()) {
     // /dev/shm is writable by everyone: a file of this name that another user made could steer this
     // process's budget (or read its figures). Refused rather than trusted.
     close(fd);
-    GO_CHECK(false, "the node ledger " + path_ + " belongs to uid " + std::to_string(st.st_uid) + ", not to this " +
-                        "process's uid " + std::to_string(getuid()) + "; remove it, or point GPU_OFFLOAD_LEDGER_DIR " +
-                        "at a folder of your own");
+    GO_FAIL("the node ledger " + path_ + " belongs to uid " + std::to_string(st.st_uid) + ", not to this " +
+            "process's uid " + std::to_string(getuid()) + "; remove it, or point GPU_OFFLOAD_LEDGER_DIR at a " +
+            "folder of your own");
   }
   fd_ = fd;
   return true;
@@ -145,7 +145,7 @@ bool NodeLedger::open_file(bool create) {
 void NodeLedger::lock_file() {
   if (locks_work_ && ofd_lock(fd_, F_OFD_SETLKW, F_WRLCK, 0) == 0) return;
   if (locks_work_ && errno != EINVAL) {
-    GO_CHECK(false, "cannot lock the node ledger " + path_ + ": " + std::strerror(errno));
+    GO_FAIL("cannot lock the node ledger " + path_ + ": " + std::strerror(errno));
   }
   // No open-file-description locks here (an old kernel or an unusual file system): a whole-file lock,
   // and liveness by PID and start time.
@@ -258,13 +258,14 @@ void NodeLedger::reserve(std::size_t num_bytes) {
       if (others.size() > kNamedUsers) {
         users += " and " + std::to_string(others.size() - kNamedUsers) + " more hold " + human(rest);
       }
-      GO_CHECK(false, "node host-memory budget exceeded: pinning " + human(num_bytes) +
-                          " more would bring the node's processes to " + human(add_saturating(total, num_bytes)) +
-                          ", over the budget of " + human(max_bytes_) + " (GPU_OFFLOAD_NODE_MAX_BYTES, ledger " +
-                          path_ + "); this process (pid " + std::to_string(getpid()) + ") holds " + human(own_bytes_) +
-                          "; the largest other users: " + (users.empty() ? std::string("none") : users) +
-                          ". Free snapshots and offloads there and give the slabs back (Arena.trim()), or raise "
-                          "GPU_OFFLOAD_NODE_MAX_BYTES");
+      // A refusal the user acts on, not a broken invariant: the message alone, without a check's text.
+      throw Error("node host-memory budget exceeded: pinning " + human(num_bytes) +
+                  " more would bring the node's processes to " + human(add_saturating(total, num_bytes)) +
+                  ", over the budget of " + human(max_bytes_) + " (GPU_OFFLOAD_NODE_MAX_BYTES, ledger " + path_ +
+                  "); this process (pid " + std::to_string(getpid()) + ") holds " + human(own_bytes_) +
+                  "; the largest other users: " + (users.empty() ? std::string("none") : users) +
+                  ". Free snapshots and offloads there and give the slabs back (Arena.trim()), or raise "
+                  "GPU_OFFLOAD_NODE_MAX_BYTES");
     }
     if (slot_ < 0) claim_slot(&slots);
     own_bytes_ += num_bytes;
