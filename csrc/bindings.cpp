@@ -10,6 +10,7 @@
 #include "core/copy_plan.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/errors.hpp"
+#include "core/ledger.hpp"
 #include "core/thread_pool.hpp"
 #ifdef GPU_OFFLOAD_WITH_CUDA
 #include "core/driver_api.hpp"
@@ -160,6 +161,35 @@ PYBIND11_MODULE(_C, m) {
         "Waits for everything enqueued on the device's copy-engine and kernel streams of one direction.",
         py::call_guard<py::gil_scoped_release>());
   m.def("available_host_memory", &available_host_memory);
+  m.def("host_memory_limit", &host_memory_limit,
+        "MemTotal, or the memory cgroup's limit where that is lower (what a fractional node budget is of).");
+  m.def("process_host_memory", [] {
+    HostMemoryStats s = process_host_memory();
+    py::dict d;
+    d["pinned_bytes"] = s.pinned_bytes;
+    d["registered_bytes"] = s.registered_bytes;
+    d["pageable_bytes"] = s.pageable_bytes;
+    d["bytes_by_numa_node"] = s.bytes_by_numa_node;
+    return d;
+  }, "Host memory held by every arena of this process, by kind and by the NUMA node its pages are on.");
+  m.def("node_ledger_configure", [](const std::string& dir, std::size_t max_bytes) {
+    NodeLedger::instance().configure(dir, max_bytes);
+  }, py::arg("dir"), py::arg("max_bytes"), "Where the node's ledger lives and this process's budget (0: none).");
+  m.def("node_ledger_state", [] {
+    LedgerState s;
+    {
+      py::gil_scoped_release release;  // the file lock may wait for another process
+      s = NodeLedger::instance().state();
+    }
+    py::dict d, by_pid;
+    d["max_bytes"] = s.max_bytes;
+    d["reserved_bytes"] = s.reserved_bytes;
+    d["own_bytes"] = s.own_bytes;
+    d["path"] = s.path;
+    for (const auto& u : s.users) by_pid[py::int_(u.pid)] = u.bytes;
+    d["by_pid"] = by_pid;
+    return d;
+  }, "The node's live reservations (dead processes' shares are taken back first).");
   m.def("engine_streams", &cuda::engine_streams, py::arg("device"),
         "The engine's streams on a device as cudaStream_t integers: copy D2H, copy H2D, kernel D2H, kernel H2D.",
         py::call_guard<py::gil_scoped_release>());
@@ -182,11 +212,14 @@ PYBIND11_MODULE(_C, m) {
              return new HostArena(max_bytes, min_slab_bytes, parse_pin_mode(pin_mode));
            }),
            py::arg("max_bytes"), py::arg("min_slab_bytes"), py::arg("pin_mode"))
-      .def("allocate", &HostArena::allocate, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
       // Every method that takes the arena's mutex releases the GIL: another thread may hold it for seconds
       // while it pins a slab, and waiting for it with the GIL would freeze every Python thread.
+      .def("allocate", &HostArena::allocate, py::arg("num_bytes"), py::arg("numa_node") = HostArena::kAnyNode,
+           py::call_guard<py::gil_scoped_release>())
       .def("free", &HostArena::free, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
-      .def("reserve", &HostArena::reserve, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &HostArena::reserve, py::arg("num_bytes"), py::arg("numa_node") = HostArena::kAnyNode,
+           py::call_guard<py::gil_scoped_release>())
+      .def("take_notes", &HostArena::take_notes, py::call_guard<py::gil_scoped_release>())  // waits on a pin
       .def("trim", &HostArena::trim, py::call_guard<py::gil_scoped_release>())
       .def("region_bytes", &HostArena::region_bytes, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pin_mode",
@@ -214,6 +247,7 @@ PYBIND11_MODULE(_C, m) {
         d["largest_free_block_bytes"] = s.largest_free_block_bytes;
         d["num_slab_allocations"] = s.num_slab_allocations;
         d["pin_seconds"] = s.pin_seconds;
+        d["bytes_by_numa_node"] = s.bytes_by_numa_node;
         return d;
       });
   m.attr("ARENA_ALIGNMENT") = HostArena::kAlignment;

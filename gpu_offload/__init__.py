@@ -15,7 +15,7 @@ from ._errors import LayoutMismatchError, OffloadError
 from ._ext import _C
 from ._version import __version__
 from .api import discard, is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
-from .arena import Arena, default_arena
+from .arena import Arena, default_arena, memory_stats
 from .persist import load, save
 from .snapshot import Snapshot
 
@@ -32,6 +32,7 @@ __all__ = [
     "is_offloaded",
     "join",
     "load",
+    "memory_stats",
     "offload",
     "offloaded_bytes",
     "reload",

@@ -11,6 +11,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 MAX_BYTES = (1 << 63) - 1  # what the core's size_t arithmetic and torch's int64 sizes can hold
 _PATTERN = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+_FRACTION = re.compile(r"\s*([0-9]*\.[0-9]+)\s*")
 
 
 def parse_bytes(text: str, what: str = "value") -> int:
@@ -32,3 +33,22 @@ def parse_bytes(text: str, what: str = "value") -> int:
     if not math.isfinite(value) or value > MAX_BYTES:
         raise OffloadError(finite_message)
     return int(value)
+
+
+def parse_bytes_or_fraction(text: str, what: str, total: int) -> int:
+    """A positive byte count as parse_bytes reads it, or a fraction of `total` written with a decimal point
+    and no unit (0.8, .5, 1.0). Raises OffloadError naming `what` otherwise."""
+    match = _FRACTION.fullmatch(text)
+    if match:
+        fraction = float(match.group(1))
+        if not 0 < fraction <= 1:
+            raise OffloadError(f"{what}={text!r}: a fraction (a number with a decimal point and no unit) must be "
+                               "above 0 and at most 1; give bytes with a unit (8GiB) or as an integer")
+        if total <= 0:
+            raise OffloadError(f"{what}={text!r} is a fraction of the host's memory, which is unknown here; "
+                               "give bytes (e.g. 200GiB)")
+        return max(1, int(fraction * total))
+    value = parse_bytes(text, what)
+    if value <= 0:
+        raise OffloadError(f"{what}={text!r}: must be positive (unset it for no limit)")
+    return value

@@ -122,7 +122,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             plans, buffers = resolved.plan.overlap_copies(_buffer_indices(target, resolved))
         else:
             plans, buffers = resolved.plan.copies(), None
-        region = arena._allocate(layout.host_bytes)
+        region = arena._allocate(layout.host_bytes, devices=layout.devices)
         try:
             # Integrity: the sums read the same data as the copy that follows (on a GPU: in stream order).
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
@@ -332,7 +332,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
                 _empty_cache([st.device for _, st, _ in dropping])
             return
         plans = resolved.plan.copies()
-        region = arena._allocate(layout.host_bytes, users=len(live))
+        region = arena._allocate(layout.host_bytes, users=len(live), devices=layout.devices)
         try:
             sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
             events = plans.run(True, region.ptr, record=(region._pending,))

@@ -7,12 +7,14 @@ import collections
 import ctypes
 import logging
 import os
+import re
+import resource
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-from . import _capture
-from ._bytes import parse_bytes
+from . import _capture, _topology
+from ._bytes import parse_bytes, parse_bytes_or_fraction
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 
@@ -54,6 +56,49 @@ def _drop_done(events: list[Any]) -> None:
     if events and not _capture.capturing():
         for e in [e for e in events if _done(e)]:
             events.remove(e)
+
+
+_DEFAULT_LEDGER_DIR = "/dev/shm"
+_node_configured = False
+_node_lock = threading.Lock()
+_logged_notes: set[str] = set()
+
+
+def node_budget_from_env() -> tuple[Optional[int], str]:
+    """GPU_OFFLOAD_NODE_MAX_BYTES (bytes, or a fraction of the host's memory: MemTotal, or the memory
+    cgroup's limit where one applies) and GPU_OFFLOAD_LEDGER_DIR, as the arenas read them."""
+    text = os.environ.get("GPU_OFFLOAD_NODE_MAX_BYTES")
+    directory = os.environ.get("GPU_OFFLOAD_LEDGER_DIR") or _DEFAULT_LEDGER_DIR
+    if text is None or text == "":
+        return None, directory
+    budget = parse_bytes_or_fraction(text, "GPU_OFFLOAD_NODE_MAX_BYTES", int(_C.host_memory_limit()))
+    if not os.path.isdir(directory):
+        raise OffloadError(f"GPU_OFFLOAD_LEDGER_DIR={directory!r} is not a folder: the node's ledger (what every "
+                           "process of the node has pinned) lives there; name a folder all of them can write")
+    return budget, directory
+
+
+def _configure_node() -> None:
+    """Tells the core the node's budget and where its ledger is: once per process, before the first slab."""
+    global _node_configured
+    if _node_configured:
+        return
+    with _node_lock:
+        if not _node_configured:
+            budget, directory = node_budget_from_env()
+            _C.node_ledger_configure(directory, budget or 0)
+            if budget:
+                logger.debug("node host-memory budget %d bytes, ledger in %s", budget, directory)
+            _node_configured = True
+
+
+def _log_notes(notes: Sequence[str]) -> None:
+    """The core's notes (a slab that could not be placed on its node), one log line per kind."""
+    for note in notes:
+        kind = re.sub(r"[0-9]+ bytes \([^)]*\)|[0-9]+ of [0-9]+", "", note)
+        if kind not in _logged_notes:
+            _logged_notes.add(kind)
+            logger.warning("%s", note)
 
 
 class Region:
@@ -136,8 +181,10 @@ class Arena:
     Args:
         max_bytes: hard cap on the pinned bytes; a request past it raises OffloadError. None: no cap
             (pinning beyond the machine's available memory is still refused).
-        min_slab_bytes: smallest slab pinned at a time (default 256 MiB); a larger request gets a slab of
-            its own size, rounded to 2 MiB.
+        min_slab_bytes: the size shared slabs grow to (default 256 MiB). A region that fits in no free
+            block gets a slab of its own size (rounded to 4 KiB, to 2 MiB from 256 MiB on), or, when it is
+            under 1/64 of the arena so far, a shared slab as large as the arena (doubling it) up to this
+            size: a first small snapshot pins a few pages, not 256 MiB.
         pin: "auto" (page-locked when CUDA is available), "none", "hostalloc" (cudaHostAlloc) or
             "register" (parallel first touch, then cudaHostRegister; the fastest way to pin).
     """
@@ -153,6 +200,7 @@ class Arena:
             raise OffloadError(f"pin must be one of {', '.join(_PIN_MODES)}, got {pin!r}")
         if max_bytes is not None:
             min_slab_bytes = min(min_slab_bytes, max_bytes)
+        _configure_node()  # GPU_OFFLOAD_NODE_MAX_BYTES is checked (and refused) here, before any slab
         self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
         self._lock = threading.RLock()
         self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
@@ -181,13 +229,18 @@ class Arena:
         """How slabs are pinned: auto (not decided yet), none, hostalloc or register."""
         return str(self._impl.pin_mode)
 
-    def reserve(self, num_bytes: int) -> None:
-        """Pins ahead so that a region of `num_bytes` can later be handed out without pinning."""
+    def reserve(self, num_bytes: int, device: Any = None) -> None:
+        """Pins ahead so that a region of `num_bytes` can later be handed out without pinning; for a CUDA
+        `device` (a torch.device, "cuda:1"), on that GPU's NUMA node."""
         if not isinstance(num_bytes, int) or num_bytes < 0:
             raise OffloadError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
         if num_bytes:
             self._reap(block=False)
-            self._impl.reserve(num_bytes)
+            node = _topology.numa_node_for([_as_device(device)]) if device is not None else _topology.UNKNOWN
+            try:
+                self._impl.reserve(num_bytes, node)
+            finally:
+                _log_notes(self._impl.take_notes())
 
     def trim(self) -> int:
         """Returns slabs with nothing in them to the system; returns the bytes released."""
@@ -195,7 +248,8 @@ class Arena:
         return int(self._impl.trim())
 
     def stats(self) -> dict[str, Any]:
-        """Capacity, use, slab count, free blocks, slabs ever pinned and seconds spent pinning."""
+        """Capacity, use, slab count, free blocks, slabs ever pinned, seconds spent pinning, and the
+        capacity by the NUMA node its pages are on (`bytes_by_numa_node`, -1: unknown)."""
         self._reap(block=False)
         stats = dict(self._impl.stats())
         stats["pin_mode"] = self.pin_mode
@@ -207,20 +261,28 @@ class Arena:
                 f"max_bytes={s['max_bytes'] or None}, pin_mode={self.pin_mode!r})")
 
     # -- used by the engine ---------------------------------------------------------------------------
-    def _allocate(self, num_bytes: int, users: int = 1) -> Region:
+    def _allocate(self, num_bytes: int, users: int = 1, devices: Iterable[Any] = (),
+                  numa_node: Optional[int] = None) -> Region:
+        """A region of num_bytes for a call on `devices` (its slab on the first GPU's NUMA node, or on
+        `numa_node` when given)."""
         self._reap(block=False)
+        node = _topology.numa_node_for(devices) if numa_node is None else numa_node
         # The region exists before its memory: C code (map, extend) stores the pointer in it, so no
         # interrupt can fall between the allocation and its owner (the allocation releases the GIL, and
         # a signal handler runs as soon as it returns).
         region = Region(self, num_bytes, users)
         try:
-            region._box.extend(map(self._impl.allocate, (num_bytes,)))
+            region._box.extend(map(self._impl.allocate, (num_bytes,), (node,)))
         except OffloadError:
             # Regions still waiting on in-flight copies may be what stands in the way: wait, then retry.
             if not self._deferred and not self._orphans:
                 raise
             self._reap(block=True)
-            region._box.extend(map(self._impl.allocate, (num_bytes,)))
+            region._box.extend(map(self._impl.allocate, (num_bytes,), (node,)))
+        finally:
+            notes = self._impl.take_notes()
+            if notes:
+                _log_notes(notes)
         return region
 
     def _free_box(self, box: list[int], pending: Sequence[Any]) -> None:
@@ -317,6 +379,12 @@ _live: "weakref.WeakSet[Arena]" = weakref.WeakSet()
 atexit.register(_drain_at_exit)
 
 
+def _as_device(device: Any) -> Any:
+    import torch
+
+    return torch.device(device) if isinstance(device, str) else device
+
+
 _default_arena: Optional[Arena] = None
 _default_lock = threading.Lock()
 
@@ -325,7 +393,8 @@ def default_arena() -> Arena:
     """The arena shared by every call that names none; created on first use.
 
     Configured from the environment: GPU_OFFLOAD_ARENA_MAX_BYTES (cap), GPU_OFFLOAD_MIN_SLAB_BYTES,
-    GPU_OFFLOAD_PIN (auto, none, hostalloc, register).
+    GPU_OFFLOAD_PIN (auto, none, hostalloc, register). Every arena, this one or not, also answers to the
+    node's budget (GPU_OFFLOAD_NODE_MAX_BYTES, GPU_OFFLOAD_LEDGER_DIR).
     """
     global _default_arena
     with _default_lock:
@@ -337,3 +406,34 @@ def default_arena() -> Arena:
             )
             logger.debug("default arena created: %r", _default_arena)
         return _default_arena
+
+
+def memory_stats() -> dict[str, Any]:
+    """Host memory this process and the node's processes hold, as the arenas see it.
+
+    Returns a dict:
+        "process": this process's arenas: `pinned_bytes` (page-locked), `registered_bytes` (the part pinned
+            with cudaHostRegister), `pageable_bytes` (slabs not page-locked), `bytes_by_numa_node` (node ->
+            bytes, -1 where the kernel does not say), and the default arena's `used_bytes`,
+            `capacity_bytes` and `largest_free_bytes` (0 before it is first used);
+        "node": `max_bytes` (GPU_OFFLOAD_NODE_MAX_BYTES, or None), `reserved_bytes` (by every live process
+            of the node that has a budget), `by_pid` (PID -> bytes, largest first) and `ledger` (the file);
+        "memlock_limit_bytes": the soft `ulimit -l` (None: unlimited).
+    """
+    _configure_node()
+    process: dict[str, Any] = dict(_C.process_host_memory())
+    arena = _default_arena
+    stats = arena._impl.stats() if arena is not None else {}
+    process["used_bytes"] = int(stats.get("used_bytes", 0))
+    process["capacity_bytes"] = int(stats.get("capacity_bytes", 0))
+    process["largest_free_bytes"] = int(stats.get("largest_free_block_bytes", 0))
+    state = _C.node_ledger_state()
+    node = {
+        "max_bytes": int(state["max_bytes"]) or None,
+        "reserved_bytes": int(state["reserved_bytes"]),
+        "by_pid": {int(pid): int(n) for pid, n in sorted(state["by_pid"].items(), key=lambda kv: -kv[1])},
+        "ledger": state["path"] or None,
+    }
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return {"process": process, "node": node,
+            "memlock_limit_bytes": None if soft == resource.RLIM_INFINITY else int(soft)}

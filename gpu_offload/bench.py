@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import api
+from . import _topology, api
 from . import plan as _plan
 from ._errors import OffloadError
 from .arena import Arena
@@ -285,6 +285,36 @@ def measure_limits(b: Bench) -> list[Row]:
     return rows
 
 
+def measure_numa_limits(b: Bench) -> list[Row]:
+    """GPU only, on a machine with more than one NUMA node: the limit again with the host buffer in an arena
+    slab on the GPU's own node and on another node (copies from the far socket cross the inter-socket link)."""
+    if b.device.type != "cuda":
+        return []
+    nodes = _topology.online_nodes()
+    local = _topology.gpu_numa_node(b.device.index if b.device.index is not None else torch.cuda.current_device())
+    if len(nodes) < 2 or local == _topology.UNKNOWN:
+        return []
+    remote = next(n for n in nodes if n != local)
+    flat_dev = torch.empty(b.nbytes, dtype=torch.uint8, device=b.device).fill_(7)
+    rows = []
+    b.info["numa"] = {"gpu_node": local, "remote_node": remote}
+    for where, node in (("local", local), ("remote", remote)):
+        arena = Arena(pin="register")
+        region = arena._allocate(b.nbytes, numa_node=node)
+        host = torch.frombuffer(region.buffer(owner=region), dtype=torch.uint8)
+        placed = arena.stats()["bytes_by_numa_node"]
+        note = f"host buffer on NUMA node {node} ({where}); pages on {sorted(placed)}"
+        rows.append(b.measure(f"limit from {where} memory (node {node})", "d2h",
+                              lambda: host.copy_(flat_dev, non_blocking=True), note=note))
+        rows.append(b.measure(f"limit from {where} memory (node {node})", "h2d",
+                              lambda: flat_dev.copy_(host, non_blocking=True), note=note))
+        del host
+        region.release()
+        arena.trim()
+    del flat_dev
+    return rows
+
+
 def measure_engine(b: Bench) -> list[Row]:
     """The engine, on a warm arena (first cycle pins; steady state is what a training loop sees)."""
     tensors, arena = b.tensors, b.arena
@@ -400,7 +430,8 @@ def measure_baselines(b: Bench) -> list[Row]:
 
 
 # The groups `run` measures, in order; the limits come first (every ratio is to them).
-GROUPS: list[Callable[[Bench], list[Row]]] = [measure_limits, measure_engine, measure_both_ways, measure_first_use]
+GROUPS: list[Callable[[Bench], list[Row]]] = [measure_limits, measure_numa_limits, measure_engine, measure_both_ways,
+                                              measure_first_use]
 
 
 def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,

@@ -388,8 +388,8 @@ def info_dict() -> dict:
 
     import torch
 
-    from . import _C, build_info, cuda_available
-    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int
+    from . import _C, _topology, build_info, cuda_available
+    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int, memory_stats, node_budget_from_env
     from .plan import gather_max_bytes
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -405,16 +405,23 @@ def info_dict() -> dict:
     max_bytes = _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES")
     min_slab = _env_int("GPU_OFFLOAD_MIN_SLAB_BYTES")
     pin = os.environ.get("GPU_OFFLOAD_PIN", "auto")
+    node_max, ledger_dir = node_budget_from_env()  # GPU_OFFLOAD_NODE_MAX_BYTES, GPU_OFFLOAD_LEDGER_DIR
     try:
         Arena(max_bytes, min_slab_bytes=min_slab, pin=pin)
     except OffloadError as exc:
         raise OffloadError(f"the default arena's environment (GPU_OFFLOAD_ARENA_MAX_BYTES, GPU_OFFLOAD_MIN_SLAB_BYTES, "
                            f"GPU_OFFLOAD_PIN) is refused: {exc}") from None
     devices = []
+    gpus = []
     if cuda_available():
         import torch.cuda
 
         devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        for i, name in enumerate(devices):
+            address = _topology.pci_address(i)
+            node, why = _topology.read_numa_node(address)
+            gpus.append({"index": i, "name": name, "pci_address": address,
+                         "numa_node": None if node == _topology.UNKNOWN else node, "numa_unknown_why": why or None})
     return {
         "build": build_info(),
         "torch": torch.__version__,
@@ -430,6 +437,10 @@ def info_dict() -> dict:
         },
         "host_threads": host_threads,
         "gather_max_bytes": gather,
+        "node_budget": {"max_bytes": node_max, "ledger_dir": ledger_dir},
+        "numa_nodes": _topology.online_nodes(),
+        "gpus": gpus,  # each GPU's PCI address and NUMA node
+        "memory": memory_stats(),  # this process's arenas (empty in a fresh `info`) and the node's ledger
     }
 
 
@@ -483,6 +494,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("arena pinning", a["pin"])
     table.add_row("host copy threads", str(info["host_threads"]))
     table.add_row("gather max bytes", str(info["gather_max_bytes"]))
+    node = info["memory"]["node"]
+    budget = info["node_budget"]["max_bytes"]
+    table.add_row("node budget", "none (GPU_OFFLOAD_NODE_MAX_BYTES unset)" if budget is None else
+                  f"{budget / 2**30:.1f} GiB, {node['reserved_bytes'] / 2**30:.2f} GiB reserved by "
+                  f"{len(node['by_pid'])} process(es), ledger {node['ledger']}")
+    for pid, nbytes in list(node["by_pid"].items())[:8]:
+        table.add_row(f"  pid {pid}", f"{nbytes / 2**30:.2f} GiB")
+    table.add_row("NUMA nodes", ", ".join(map(str, info["numa_nodes"])))
+    for g in info["gpus"]:
+        where = f"node {g['numa_node']}" if g["numa_node"] is not None else f"unknown ({g['numa_unknown_why']})"
+        table.add_row(f"  cuda:{g['index']} NUMA", f"{where}, PCI {g['pci_address']}")
+    proc = info["memory"]["process"]
+    by_node = ", ".join(f"node {n}: {b / 2**20:.0f} MiB" if n >= 0 else f"unknown: {b / 2**20:.0f} MiB"
+                        for n, b in sorted(proc["bytes_by_numa_node"].items()))
+    table.add_row("this process's arenas", f"{proc['pinned_bytes'] / 2**20:.0f} MiB pinned, "
+                  f"{proc['pageable_bytes'] / 2**20:.0f} MiB pageable" + (f" ({by_node})" if by_node else ""))
     _console().print(table)
     return 0
 

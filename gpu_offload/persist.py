@@ -451,7 +451,7 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
 
         arena = arena if arena is not None else default_arena()
         capacity = arena.capacity_bytes
-        region = arena._allocate(layout.host_bytes)
+        region = arena._allocate(layout.host_bytes, devices=layout.devices)  # where it will be restored
         try:
             _read_into(f, path, layout, region, [data_start + s for s in starts])
             _integrity.check(layout, checksums, _integrity.host_checksums(layout, region.ptr),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -68,6 +69,22 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         return raw.view(torch.bool).reshape(shape).to(device)
     raw = torch.randint(0, 256, (n * itemsize,), generator=g, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape).to(device)
+
+
+@contextlib.contextmanager
+def node_budget(directory: Any, max_bytes: int) -> Iterator[None]:
+    """Gives this process a node host-memory budget (its ledger in `directory`) for the block, then the
+    environment's again. What the block pins under it must be given back (trim) before it ends."""
+    from gpu_offload import arena as _arena
+    from gpu_offload._ext import _C
+
+    _arena._configure_node()
+    before, before_dir = _arena.node_budget_from_env()
+    _C.node_ledger_configure(str(directory), max_bytes)
+    try:
+        yield
+    finally:
+        _C.node_ledger_configure(before_dir, before or 0)
 
 
 @pytest.fixture

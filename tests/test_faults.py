@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, inject_failure, random_tensor
+from conftest import assert_bitwise_equal, inject_failure, node_budget, random_tensor
 from gpu_offload import integrity as _integrity
 from gpu_offload import plan as _plan
 from gpu_offload._ext import _C
@@ -173,18 +173,24 @@ def test_restore_interrupted_before_its_copy_leaves_the_target_untouched(device,
 
 
 # -- resources ----------------------------------------------------------------------------------------------
-def test_pinning_beyond_available_memory_is_refused_up_front(device):
+def test_pinning_beyond_available_memory_is_refused_up_front(device, tmp_path):
     available = _C.available_host_memory()
     assert available > 0
-    arena = go.Arena(min_slab_bytes=available + (64 << 30))
+    arena = go.Arena()
     state = _state(device)
     expected = _copy(state)
-    for op in (lambda: go.snapshot(state, arena=arena), lambda: go.offload(state, arena=arena),
-               lambda: arena.reserve(16)):
-        with pytest.raises(go.OffloadError, match=r"refusing to pin .* available"):
-            op()
-        _assert_live_and_equal(state, expected)
-        assert (arena.capacity_bytes, arena.used_bytes) == (0, 0)
+    with pytest.raises(go.OffloadError, match=r"refusing to pin .* available"):
+        arena.reserve(available + (64 << 30))
+    assert (arena.capacity_bytes, arena.used_bytes) == (0, 0)
+    # A snapshot's or an offload's slab meets the same checks before anything is copied (a first slab is
+    # the region's own size, so the node's budget stands in for a machine too small for it).
+    with node_budget(tmp_path, 1):
+        for op in (lambda: go.snapshot(state, arena=arena), lambda: go.offload(state, arena=arena),
+                   lambda: arena.reserve(16)):
+            with pytest.raises(go.OffloadError, match=r"node host-memory budget exceeded"):
+                op()
+            _assert_live_and_equal(state, expected)
+            assert (arena.capacity_bytes, arena.used_bytes) == (0, 0)
 
 
 _MEMLOCK_CHILD = textwrap.dedent("""

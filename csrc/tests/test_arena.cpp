@@ -1,4 +1,7 @@
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +35,7 @@ TEST_CASE(regions_are_aligned_and_writable) {
 
 TEST_CASE(free_coalesces_neighbours) {
   HostArena arena(0, 4 * kMiB, PinMode::kNone);
+  arena.reserve(4 * kMiB);  // one slab for all three
   auto a = arena.allocate(kMiB), b = arena.allocate(kMiB), c = arena.allocate(kMiB);
   arena.free(a);
   arena.free(c);
@@ -67,7 +71,7 @@ TEST_CASE(grows_by_slabs_then_reuses) {
   CHECK(arena.stats().num_slab_allocations == 2);  // steady state: no new slab
   arena.free(c);
   const std::size_t released = arena.trim();
-  CHECK(released == 6 * kMiB);  // a 2 MiB slab and a 4 MiB one (3 MiB rounded to huge pages)
+  CHECK(released == 5 * kMiB);  // a 2 MiB slab and a 3 MiB one: each region's own size
   CHECK(arena.trim() == 0);
   CHECK(arena.stats().capacity_bytes == 0);
 }
@@ -131,6 +135,43 @@ TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
   CHECK(gpu_offload::cgroup_headroom(root) == 8000 - 4000);
 }
 
+TEST_CASE(cgroup_limit_and_headroom_are_the_smallest_over_the_process_cgroup_and_its_parents) {
+  char dir_template[] = "/tmp/go_cgroup_XXXXXX";
+  const std::string root = mkdtemp(dir_template);
+  auto write = [&](const std::string& name, const std::string& text) { std::ofstream(root + "/" + name) << text; };
+  const std::string v2 = "0::/job_7/step_0\n";
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 0);  // no files: no limit known
+  mkdir((root + "/job_7").c_str(), 0700);
+  mkdir((root + "/job_7/step_0").c_str(), 0700);
+  write("job_7/step_0/memory.max", "max\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 0);
+  write("job_7/memory.max", "50000\n");  // a Slurm job's limit, one level up (no cgroup namespace)
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 50000);
+  write("job_7/step_0/memory.max", "70000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 50000);  // the smallest on the way up holds
+  // The headroom is taken where the limits are: the job's 50000 minus its use, not root's figures.
+  write("job_7/memory.current", "20000\n");
+  write("job_7/step_0/memory.current", "15000\n");
+  CHECK(gpu_offload::cgroup_headroom(root, v2) == 30000);
+  CHECK(gpu_offload::cgroup_headroom(root) == 0);  // root alone has no limit
+  write("memory.max", "40000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v2) == 40000);
+  CHECK(gpu_offload::cgroup_limit(root, "0::/\n") == 40000);  // a container's own namespace: root's
+  CHECK(gpu_offload::cgroup_limit(root, "0::/elsewhere/abc\n") == 40000);  // a path not mounted here
+  CHECK(gpu_offload::cgroup_limit(root, "") == 40000);  // no /proc/self/cgroup: root's files
+  // cgroup v1: the memory controller's line, its folder under memory/, "no limit" as a huge number.
+  const std::string v1 = "9:pids:/\n4:cpu,memory:/process_api/abc\n0::/\n";
+  std::remove((root + "/memory.max").c_str());
+  mkdir((root + "/memory").c_str(), 0700);
+  mkdir((root + "/memory/process_api").c_str(), 0700);
+  mkdir((root + "/memory/process_api/abc").c_str(), 0700);
+  write("memory/memory.limit_in_bytes", "9223372036854771712\n");
+  write("memory/process_api/abc/memory.limit_in_bytes", "9223372036854771712\n");
+  CHECK(gpu_offload::cgroup_limit(root, v1) == 0);
+  write("memory/process_api/memory.limit_in_bytes", "8000\n");
+  CHECK(gpu_offload::cgroup_limit(root, v1) == 8000);
+}
+
 TEST_CASE(an_empty_arena_takes_any_request_under_its_cap) {
   // Four slabs kept empty after use fill the cap; a region cannot span them, so they must go first.
   HostArena arena(8 * kMiB, 2 * kMiB, PinMode::kNone);
@@ -168,6 +209,7 @@ TEST_CASE(the_cap_message_says_why) {
   }
   CHECK(what.find("larger than max_bytes") != std::string::npos);
   CHECK(what.find("largest free block") == std::string::npos);
+  arena.reserve(4 * kMiB);  // one slab: the whole cap
   auto a = arena.allocate(kMiB), b = arena.allocate(kMiB), c = arena.allocate(kMiB);
   arena.free(b);  // 2 MiB free in all, 1 MiB of it in a hole
   what.clear();
@@ -214,6 +256,132 @@ TEST_CASE(trim_keeps_a_slab_it_cannot_release) {
   CHECK(arena.stats().num_slab_allocations == 2);
   arena.free(c);
   CHECK(arena.trim() == 2 * kMiB && arena.stats().capacity_bytes == 0);
+}
+
+TEST_CASE(the_first_slab_is_the_request_and_shared_slabs_grow_geometrically) {
+  const std::size_t min_slab = 4 * kMiB;
+  HostArena arena(0, min_slab, PinMode::kNone);
+  arena.allocate(1000);
+  CHECK(arena.stats().capacity_bytes == 4096);  // one page for a 1 KB snapshot, not min_slab_bytes
+  // Small regions: slabs of their own size while the arena is small, then shared slabs that double the
+  // arena, never larger than min_slab_bytes; the bytes handed out stay within 1.02x of the capacity
+  // (plus one slab) all along.
+  std::size_t used = 0, largest_slab = 0, last_capacity = arena.stats().capacity_bytes;
+  for (int i = 0; i < 4000; ++i) {
+    const std::size_t n = 4096 * (1 + i % 3);
+    arena.allocate(n);
+    used += n;
+    auto s = arena.stats();
+    largest_slab = std::max(largest_slab, s.capacity_bytes - last_capacity);
+    last_capacity = s.capacity_bytes;
+    CHECK(double(s.capacity_bytes) <= 1.02 * double(used + 1024) + double(min_slab));
+  }
+  CHECK(largest_slab == min_slab);
+  CHECK(arena.stats().num_slabs < 64 + 8 + (used / min_slab) + 1);
+  // A region that is large next to the arena gets a slab of exactly its size (rounded to pages).
+  const std::size_t before = arena.stats().capacity_bytes;
+  arena.allocate(3 * min_slab + 100);
+  CHECK(arena.stats().capacity_bytes - before == 3 * min_slab + 4096);
+}
+
+namespace {
+// The policy of the page at addr and its node mask (first word), as the kernel reports them.
+std::pair<int, unsigned long> policy_of(std::uintptr_t addr) {
+  int mode = -1;
+  unsigned long mask[16] = {};
+  constexpr unsigned long kMpolFNode = 1, kMpolFAddr = 2;
+  (void)kMpolFNode;
+  if (syscall(SYS_get_mempolicy, &mode, mask, 1024 + 1, reinterpret_cast<void*>(addr), kMpolFAddr) != 0) return {-2, 0};
+  return {mode, mask[0]};
+}
+int node_of_page(std::uintptr_t addr) {
+  void* pages[1] = {reinterpret_cast<void*>(addr)};
+  int status[1] = {-1};
+  if (syscall(SYS_move_pages, 0, 1ul, pages, nullptr, status, 0) != 0) return -2;
+  return status[0];
+}
+}  // namespace
+
+TEST_CASE(a_slab_for_a_numa_node_is_placed_there_before_its_pages_are_touched) {
+  if (policy_of(reinterpret_cast<std::uintptr_t>(&kMiB)).first == -2) {
+    std::printf("  (get_mempolicy is not allowed here: skipped)\n");
+    return;
+  }
+  HostArena arena(0, kMiB, PinMode::kNone);
+  auto unplaced = arena.allocate(kMiB);
+  CHECK(policy_of(unplaced).first == 0);  // MPOL_DEFAULT: no node asked for
+  auto p = arena.allocate(kMiB, 0);
+  CHECK(p != unplaced && arena.stats().num_slabs == 2);  // node 0's region does not go in the unplaced slab
+  auto [mode, mask] = policy_of(p);
+  CHECK(mode == 1 && mask == 1ul);  // MPOL_PREFERRED, node 0
+  CHECK(node_of_page(p) == 0 && node_of_page(p + kMiB - 4096) == 0);
+  CHECK(arena.take_notes().empty());
+  CHECK(arena.stats().bytes_by_numa_node.at(0) == 2 * kMiB);
+  // A node this machine does not have: the slab is made all the same, unplaced, and a note says so.
+  auto q = arena.allocate(kMiB, 1000);
+  CHECK(policy_of(q).first == 0);
+  auto notes = arena.take_notes();
+  CHECK(notes.size() == 1 && notes[0].find("could not place a slab") != std::string::npos &&
+        notes[0].find("node 1000") != std::string::npos);
+  CHECK(arena.take_notes().empty());  // said once
+  arena.free(p);
+  // A node's region takes a free block of its own node first.
+  auto again = arena.allocate(kMiB / 2, 0);
+  CHECK(again == p);
+}
+
+namespace {
+std::pair<int, unsigned long> thread_policy() {
+  int mode = -1;
+  unsigned long mask[16] = {};
+  if (syscall(SYS_get_mempolicy, &mode, mask, 1024 + 1, nullptr, 0ul) != 0) return {-2, 0};
+  return {mode, mask[0]};
+}
+}  // namespace
+
+TEST_CASE(a_driver_allocated_slab_is_placed_by_the_thread_policy_for_the_call_only) {
+  if (thread_policy().first == -2) {
+    std::printf("  (get_mempolicy is not allowed here: skipped)\n");
+    return;
+  }
+  CHECK(thread_policy().first == 0);  // MPOL_DEFAULT
+  std::vector<std::string> notes;
+  {
+    gpu_offload::ThreadPrefersNode prefer(0, kMiB, &notes);
+    CHECK(thread_policy() == std::make_pair(1, 1ul));  // MPOL_PREFERRED, node 0: what cudaHostAlloc faults in
+    // Pages first touched by this thread now come from node 0.
+    auto* p = static_cast<char*>(mmap(nullptr, kMiB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    p[0] = 1;
+    CHECK(node_of_page(reinterpret_cast<std::uintptr_t>(p)) == 0);
+    munmap(p, kMiB);
+  }
+  CHECK(thread_policy().first == 0 && notes.empty());  // the thread's own policy again
+  {
+    gpu_offload::ThreadPrefersNode none(HostArena::kAnyNode, kMiB, &notes);  // no node: nothing asked
+    CHECK(thread_policy().first == 0);
+  }
+  {
+    gpu_offload::ThreadPrefersNode missing(1000, kMiB, &notes);  // a node this machine lacks
+    CHECK(thread_policy().first == 0);
+  }
+  CHECK(notes.size() == 1 && notes[0].find("could not place a slab") != std::string::npos &&
+        notes[0].find("node 1000") != std::string::npos);
+}
+
+TEST_CASE(process_host_memory_counts_every_arena) {
+  const auto before = gpu_offload::process_host_memory();
+  {
+    HostArena a(0, kMiB, PinMode::kNone), b(0, kMiB, PinMode::kNone);
+    a.allocate(kMiB);
+    b.allocate(2 * kMiB);
+    const auto during = gpu_offload::process_host_memory();
+    CHECK(during.pageable_bytes == before.pageable_bytes + 3 * kMiB);
+    CHECK(during.pinned_bytes == before.pinned_bytes);
+    std::size_t by_node = 0;
+    for (const auto& [node, bytes] : during.bytes_by_numa_node) by_node += bytes;
+    CHECK(by_node == during.pageable_bytes + during.pinned_bytes);
+  }
+  CHECK(gpu_offload::process_host_memory().pageable_bytes == before.pageable_bytes);
 }
 
 int main() { return check::run_all(); }
