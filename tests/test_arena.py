@@ -146,10 +146,11 @@ def test_host_memory_figure_can_be_set_for_machines_whose_memory_grows(monkeypat
     assert _C.available_host_memory() == 3 * _MIB
     small = go.Arena(min_slab_bytes=4 * _MIB, pin="none")
     with pytest.raises(go.OffloadError, match="refusing to pin"):
-        small.reserve(_MIB)  # a 4 MiB slab, above the 3 MiB given
+        small.reserve(4 * _MIB)  # a 4 MiB slab, above the 3 MiB given
+    assert small.capacity_bytes == 0
     monkeypatch.setenv("GPU_OFFLOAD_HOST_MEMORY_BYTES", "0")
     assert _C.available_host_memory() == 0
-    small.reserve(_MIB)
+    small.reserve(4 * _MIB)
     assert small.capacity_bytes >= 4 * _MIB
     monkeypatch.setenv("GPU_OFFLOAD_HOST_MEMORY_BYTES", "12 apples")
     with pytest.raises(go.OffloadError, match="GPU_OFFLOAD_HOST_MEMORY_BYTES"):
