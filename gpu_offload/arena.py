@@ -6,9 +6,10 @@ import collections
 import ctypes
 import logging
 import os
-import threading
+import weakref
 from typing import Any, Optional, Sequence
 
+from . import _fork
 from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
@@ -48,6 +49,8 @@ class Region:
 
     @property
     def ptr(self) -> int:
+        if self.arena._left_in_parent:
+            raise OffloadError(_LEFT_IN_PARENT)
         return self._box[0]
 
     def release(self, pending: Sequence[Any] = (), count: int = 1) -> None:
@@ -126,9 +129,11 @@ class Arena:
         if max_bytes is not None:
             min_slab_bytes = min(min_slab_bytes, max_bytes)
         self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
-        self._lock = threading.RLock()
+        self._lock = _fork.new_lock(reentrant=True)
         self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
         self._orphans: list[tuple[list[int], list[Any]]] = []  # regions dropped unreleased (Region.__del__)
+        self._left_in_parent = False  # in a forked child: the pinned slabs were not inherited
+        _arenas.add(self)
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -179,6 +184,8 @@ class Arena:
 
     # -- used by the engine ---------------------------------------------------------------------------
     def _allocate(self, num_bytes: int, users: int = 1) -> Region:
+        if self._left_in_parent:
+            raise OffloadError(_LEFT_IN_PARENT)
         self._reap(block=False)
         # The region exists before its memory: C code (map, extend) stores the pointer in it, so no
         # interrupt can fall between the allocation and its owner (the allocation releases the GIL, and
@@ -232,7 +239,26 @@ class Arena:
 
 
 _default_arena: Optional[Arena] = None
-_default_lock = threading.Lock()
+_default_lock = _fork.new_lock()
+
+# -- fork ---------------------------------------------------------------------------------------------------
+_arenas: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_LEFT_IN_PARENT = ("this arena's memory is pinned and stayed in the parent process: a forked child does not inherit "
+                   "pinned slabs (MADV_DONTFORK), nor the snapshots and offloaded state in them; use a new Arena "
+                   "in the child (the default arena is a new one there)")
+
+
+def _after_fork_in_child() -> None:
+    """Arenas whose memory the child did not inherit refuse every use; the default arena starts afresh."""
+    global _default_arena
+    for arena in list(_arenas):
+        if arena._impl.pin_mode in ("hostalloc", "register") and int(arena._impl.stats()["capacity_bytes"]):
+            arena._left_in_parent = True
+    if _default_arena is not None and _default_arena._left_in_parent:
+        _default_arena = None
+
+
+_fork.in_child(_after_fork_in_child)
 
 
 def default_arena() -> Arena:

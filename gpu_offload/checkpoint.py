@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +31,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import api
+from . import _fork, api
 from ._errors import OffloadError
 from .arena import Arena, Region, default_arena
 from .storages import PLAIN_TENSOR_TYPES
@@ -132,7 +131,7 @@ class ArenaStager(AsyncStager):
         # The regions of this stager's stages, with their payload bytes: a staged dict's views hold its
         # region (not the Snapshot object), so a region in use is a staged dict still referenced.
         self._staged: list[tuple[Region, int]] = []
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
         self._closed = False
 
     # -- AsyncStager ------------------------------------------------------------------------------------

@@ -15,13 +15,13 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
-import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import _fork
 from ._errors import OffloadError
 from ._ext import _C
 from .arena import _env_int
@@ -207,7 +207,7 @@ class TargetPlan:
             n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
 
     def same_views(self, plain: list[torch.Tensor]) -> bool:
         """Whether every tensor still views its storage as the layout says (shape, stride, dtype).
@@ -350,7 +350,7 @@ class _ViewCheck:
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
-_cache_lock = threading.Lock()
+_cache_lock = _fork.new_lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
 # append here; the cache itself is pruned at the next lookup, under the lock).
 _dead_keys: list[tuple[int, ...]] = []

@@ -14,13 +14,15 @@ nothing.
 
 from __future__ import annotations
 
-import threading
+import _thread
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 
+from . import _fork
 from . import integrity as _integrity
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
@@ -46,47 +48,54 @@ class Offloaded:
 
 
 entries: dict[int, Offloaded] = {}
-# Entries whose storage died: (key, the entry's weakref). Weakref callbacks may run inside any allocation, even while
-# this thread iterates `entries`, so they only append here; the entries are dropped under the lock.
-_dead: list[tuple[int, Offloaded]] = []
+# Entries whose storage died: key -> the entry's weakref. Weakref callbacks may run inside any allocation, even while
+# this thread iterates `entries`, so they only record here; the entries are dropped under the lock. The callback is
+# C code (dict.__setitem__ through functools.partial), so no interrupt can fall before it records.
+_dead: dict[int, "weakref.ref[Any]"] = {}
 
 
-class _Lock:
-    """The registry's re-entrant lock; taking it first drops the entries of storages that died."""
+class _Lock(_thread.RLock):
+    """The registry's re-entrant lock; taking it first drops the entries of storages that died.
 
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
+    Owned from the moment it is taken, whatever interrupts: the acquisition's result lands in a list inside
+    C code (map, extend), so an interrupt right after it is seen by the handler below and released, and
+    the release is RLock's own `__exit__` (C code, which no signal handler can interrupt before it
+    releases). Unheld again in a forked child (gpu_offload._fork).
+    """
 
     def __enter__(self) -> "_Lock":
-        self._lock.acquire()
+        taken: list[bool] = []
         try:
+            taken.extend(map(_thread.RLock.acquire, (self,)))
             prune()
         except BaseException:
-            self._lock.release()
+            if taken:
+                self.release()
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
 
-
-lock = _Lock()
+lock = _fork.track(_Lock())
 
 
 def prune() -> None:
     """Drops the entries of dead storages and releases their regions (call with the lock held)."""
     while _dead:
-        key, ref = _dead.pop()
+        # Forgotten only once handled: an interrupt in between leaves it to the next prune, not lost with an
+        # entry whose key a new storage may take.
+        key, ref = next(iter(_dead.items()))
         record = entries.get(key)
         if record is not None and record.ref is ref:  # not a new storage that took the same address since
             del entries[key]
             record.region.release(record.events)
+        if _dead.get(key) is ref:
+            del _dead[key]
 
 
 def watch(key: int, storage: torch.UntypedStorage, record: Offloaded) -> None:
     """Adds an entry that is dropped when `storage` dies (torch keeps a storage's Python object alive as
     long as the storage itself, so a weak reference to it dies with the storage)."""
-    record.ref = weakref.ref(storage, lambda ref: _dead.append((key, ref)))  # no cycle through the record
+    record.ref = weakref.ref(storage, functools.partial(_dead.__setitem__, key))  # no cycle through the record
     entries[key] = record
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import torch
 
+from . import _fork
 from . import integrity as _integrity
 from ._errors import OffloadError
 from .arena import Arena, Region
@@ -30,7 +30,7 @@ class Snapshot:
         self._layout = layout
         self._region: Optional[Region] = region
         self._events = events  # copies writing the region (the snapshot) and reading it (restores)
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
         self._checksums = checksums  # taken from the source (snapshot(checksum=True)) or read from a file
         # Whether the snapshot holds gradients, as asked (None: unknown, e.g. a file that did not record it;
         # then guessed from the names).

@@ -1,5 +1,6 @@
 #include "arena.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <new>
 
 #include "cuda_backend.hpp"
 #include "errors.hpp"
@@ -124,13 +126,34 @@ std::size_t available_host_memory() {
   return available;
 }
 
+// Every live arena, for a forked child: fork() copies only the calling thread, so a mutex another thread held
+// at that moment (one pinning a slab, for seconds) would stay held in the child forever. The child handler
+// re-initialises them unheld. Never destroyed (a static destructor at exit would race threads still running).
+namespace {
+std::mutex* g_live_mutex = new std::mutex;
+std::set<HostArena*>* g_live = new std::set<HostArena*>;
+std::once_flag g_atfork_once;
+}  // namespace
+
+void HostArena::after_fork_in_child() {
+  new (g_live_mutex) std::mutex;
+  for (HostArena* arena : *g_live) new (&arena->mutex_) std::mutex;
+}
+
 HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
     : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {
   // Every copy goes through an arena: a bad GPU_OFFLOAD_NUM_THREADS is refused here, before any byte moves.
   ThreadPool::instance();
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, &HostArena::after_fork_in_child); });
+  std::lock_guard<std::mutex> lock(*g_live_mutex);
+  g_live->insert(this);
 }
 
 HostArena::~HostArena() {
+  {
+    std::lock_guard<std::mutex> lock(*g_live_mutex);
+    g_live->erase(this);
+  }
   for (auto& [id, slab] : slabs_) {
     try {
       release_slab(slab);

@@ -86,6 +86,8 @@ class HostArena {
   void insert_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
   void erase_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
   PinMode resolve_mode();
+  // pthread_atfork child handler: every live arena's mutex unheld again (see arena.cpp).
+  static void after_fork_in_child();
 
   mutable std::mutex mutex_;
   std::size_t max_bytes_;

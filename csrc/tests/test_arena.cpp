@@ -1,4 +1,6 @@
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -214,6 +216,37 @@ TEST_CASE(trim_keeps_a_slab_it_cannot_release) {
   CHECK(arena.stats().num_slab_allocations == 2);
   arena.free(c);
   CHECK(arena.trim() == 2 * kMiB && arena.stats().capacity_bytes == 0);
+}
+
+namespace {
+HostArena* g_forking_arena = nullptr;
+int g_fork_child_status = -1;
+
+// Runs inside trim(), with the arena's mutex held: forks, and the child uses the arena.
+void fork_while_locked(std::uintptr_t, std::size_t) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(30);  // a mutex still held would block the child forever
+    const auto s = g_forking_arena->stats();
+    const auto p = g_forking_arena->allocate(4096);
+    g_forking_arena->free(p);
+    _exit(s.num_slabs == 1 ? 0 : 2);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  g_fork_child_status = status;
+}
+}  // namespace
+
+TEST_CASE(a_forked_child_can_use_an_arena_whose_mutex_another_thread_held) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  arena.free(arena.allocate(kMiB));
+  g_forking_arena = &arena;
+  gpu_offload::testing::before_slab_release = fork_while_locked;
+  arena.trim();
+  gpu_offload::testing::before_slab_release = nullptr;
+  CHECK(WIFEXITED(g_fork_child_status) && WEXITSTATUS(g_fork_child_status) == 0);
+  CHECK(arena.stats().capacity_bytes == 0);
 }
 
 int main() { return check::run_all(); }
