@@ -79,13 +79,36 @@ class Region:
         """True until the last user has released the region."""
         return self._users > 0
 
-    def acquire(self) -> bool:
-        """Adds a user (a copy about to read the region, views over it); False once it was released."""
+    def acquire(self, owner: Any = None, attr: str = "region") -> bool:
+        """Adds a user (a copy about to read the region, views over it); False once it was released.
+
+        With an owner, the user is handed to it (`owner.<attr> = region`) in the same step, with no
+        interpreter step between the count and the store where an interrupt could fall and lose it.
+        """
         with self.arena._lock:
             if self._users <= 0:
                 return False
             self._users += 1
+            if owner is not None:
+                setattr(owner, attr, self)
             return True
+
+    def _drop(self, holder: Any, attr: str = "region", pending: Sequence[Any] = ()) -> None:
+        """Ends the user that `holder.<attr>` holds (a lease, a snapshot), at most once however often it is
+        called (release(), then a finalizer): the count and the holder's reference go in one step, with no
+        interpreter step between them where an interrupt could fall."""
+        with self.arena._lock:
+            if getattr(holder, attr, None) is not self:
+                return
+            # Kept first for the last user (e.g. a freed snapshot's restores, while views still hold it);
+            # completed copies are dropped, so a snapshot restored every step keeps no growing list.
+            self._pending = [e for e in self._pending if not e.query()]
+            known = {id(e) for e in self._pending}
+            self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
+            self._users -= 1
+            setattr(holder, attr, None)
+            if self._users <= 0:
+                self.arena._free_box(self._box, list(self._pending))
 
     def buffer(self, owner: object) -> Any:
         """A writable buffer over the region that keeps `owner` alive while anything (e.g. a tensor made
@@ -100,6 +123,44 @@ class Region:
         box = getattr(self, "_box", None)  # None: interrupted in __init__, before any memory
         if box:
             self.arena._orphans.append((box, list(self._pending)))
+
+
+class Lease:
+    """One user of a region, owned from the moment it exists (`Region.acquire(lease)` counts the user and
+    stores the region here in one step), released once: by `release()`, or when the lease is dropped (an
+    interrupt between the acquisition and the code that would release it). Reads like the region for the
+    copy that holds it (`ptr`, `buffer`); copies it should outlive go to `release(pending)`.
+    """
+
+    __slots__ = ("region", "pending", "__weakref__")
+
+    def __init__(self) -> None:
+        self.region: Optional[Region] = None
+        self.pending: list[Any] = []  # recorded before the release, so that a finalizer still waits for them
+
+    @property
+    def ptr(self) -> int:
+        region = self.region
+        if region is None:
+            raise OffloadError("internal error: a released lease on an arena region was used")
+        return region.ptr
+
+    def buffer(self, owner: object) -> Any:
+        region = self.region
+        if region is None:
+            raise OffloadError("internal error: a released lease on an arena region was used")
+        return region.buffer(owner)
+
+    def release(self, pending: Sequence[Any] = ()) -> None:
+        self.pending.extend(pending)
+        region = self.region
+        if region is not None:
+            region._drop(self, "region", self.pending)
+
+    def __del__(self) -> None:
+        region = getattr(self, "region", None)
+        if region is not None:
+            region._drop(self, "region", self.pending)
 
 
 class Arena:
