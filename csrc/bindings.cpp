@@ -79,7 +79,7 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &HostArena::allocate, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("free", &HostArena::free, py::arg("ptr"))
       .def("reserve", &HostArena::reserve, py::arg("num_bytes"), py::call_guard<py::gil_scoped_release>())
-      .def("trim", &HostArena::trim, py::call_guard<py::gil_scoped_release>())
+      .def("trim", &HostArena::trim, py::arg("first_slab") = 0, py::call_guard<py::gil_scoped_release>())
       .def("region_bytes", &HostArena::region_bytes, py::arg("ptr"))
       .def_property_readonly("pin_mode", [](const HostArena& a) { return to_string(a.pin_mode()); })
       .def("stats", [](const HostArena& a) {

@@ -231,6 +231,16 @@ class Arena:
         self._reap(block=True)
         return int(self._impl.trim())
 
+    def _slabs_made(self) -> int:
+        """Slabs created so far (their numbers, in creation order): for _trim_since."""
+        return int(self._impl.stats()["num_slab_allocations"])
+
+    def _trim_since(self, slabs_made: int) -> int:
+        """Returns to the system the empty slabs created since _slabs_made() said `slabs_made` (what one call
+        pinned for itself), keeping the older ones (reserve()); the bytes released."""
+        self._reap(block=True)
+        return int(self._impl.trim(slabs_made))
+
     def stats(self) -> dict[str, Any]:
         """Capacity, use, slab count, free blocks, slabs ever pinned and seconds spent pinning."""
         self._reap(block=False)

@@ -354,11 +354,11 @@ void HostArena::reserve(std::size_t num_bytes) {
   free(ptr);
 }
 
-std::size_t HostArena::trim() {
+std::size_t HostArena::trim(std::uint64_t first_slab) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t before = capacity_bytes_;
   std::string failure;
-  for (auto it = slabs_.begin(); it != slabs_.end();) {
+  for (auto it = slabs_.lower_bound(first_slab); it != slabs_.end();) {
     if (it->second.used != 0) {
       ++it;
       continue;

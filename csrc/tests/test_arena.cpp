@@ -249,4 +249,16 @@ TEST_CASE(a_forked_child_can_use_an_arena_whose_mutex_another_thread_held) {
   CHECK(arena.stats().capacity_bytes == 0);
 }
 
+TEST_CASE(trim_since_gives_back_only_the_slabs_made_after) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  arena.reserve(kMiB);  // slab 0: pinned ahead, empty, to be kept
+  const auto first = arena.stats().num_slab_allocations;
+  arena.free(arena.allocate(3 * kMiB));  // slab 1 (4 MiB): made for one request, empty again
+  CHECK(arena.stats().num_slabs == 2);
+  CHECK(arena.trim(first) == 4 * kMiB);
+  auto s = arena.stats();
+  CHECK(s.num_slabs == 1 && s.capacity_bytes == 2 * kMiB);
+  CHECK(arena.trim() == 2 * kMiB);
+}
+
 int main() { return check::run_all(); }
