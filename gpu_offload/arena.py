@@ -6,11 +6,12 @@ import collections
 import ctypes
 import logging
 import os
+import re
 import weakref
 from typing import Any, Optional, Sequence
 
 from . import _fork
-from ._bytes import parse_bytes
+from ._bytes import MAX_BYTES, parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 
@@ -27,6 +28,24 @@ def _env_int(name: str) -> Optional[int]:
     if value is None or value == "":
         return None
     return parse_bytes(value, name)
+
+
+def _env_arena_bytes(name: str) -> Optional[int]:
+    """GPU_OFFLOAD_ARENA_MAX_BYTES or GPU_OFFLOAD_MIN_SLAB_BYTES: a positive whole number of bytes, or None
+    when unset; refused naming the variable otherwise."""
+    try:
+        value = _env_int(name)
+    except OffloadError as exc:
+        text = os.environ.get(name, "")
+        if name == "GPU_OFFLOAD_ARENA_MAX_BYTES" and re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text):
+            raise OffloadError(f"{exc}; a cap that is a fraction of the node's memory is GPU_OFFLOAD_NODE_MAX_BYTES "
+                               f"(e.g. GPU_OFFLOAD_NODE_MAX_BYTES={text.strip()}), one budget for every process of "
+                               "the node") from None
+        raise
+    if value == 0:
+        raise OffloadError(f"{name}={os.environ.get(name)!r} must be positive (unset it for "
+                           f"{'no cap' if name == 'GPU_OFFLOAD_ARENA_MAX_BYTES' else 'the default'})")
+    return value
 
 
 class Region:
@@ -179,12 +198,12 @@ class Arena:
     """
 
     def __init__(self, max_bytes: Optional[int] = None, *, min_slab_bytes: Optional[int] = None, pin: str = "auto") -> None:
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
-            raise OffloadError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_BYTES):
+            raise OffloadError(f"max_bytes must be an int from 1 to 2**63-1 or None, got {max_bytes!r}")
         if min_slab_bytes is None:
             min_slab_bytes = _DEFAULT_MIN_SLAB_BYTES
-        if not isinstance(min_slab_bytes, int) or min_slab_bytes <= 0:
-            raise OffloadError(f"min_slab_bytes must be a positive int, got {min_slab_bytes!r}")
+        if not isinstance(min_slab_bytes, int) or not 0 < min_slab_bytes <= MAX_BYTES:
+            raise OffloadError(f"min_slab_bytes must be an int from 1 to 2**63-1, got {min_slab_bytes!r}")
         if pin not in _PIN_MODES:
             raise OffloadError(f"pin must be one of {', '.join(_PIN_MODES)}, got {pin!r}")
         if max_bytes is not None:
@@ -220,8 +239,8 @@ class Arena:
 
     def reserve(self, num_bytes: int) -> None:
         """Pins ahead so that a region of `num_bytes` can later be handed out without pinning."""
-        if not isinstance(num_bytes, int) or num_bytes < 0:
-            raise OffloadError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
+        if not isinstance(num_bytes, int) or not 0 <= num_bytes <= MAX_BYTES:  # past it the core's sizes wrap
+            raise OffloadError(f"num_bytes must be an int from 0 to 2**63-1, got {num_bytes!r}")
         if num_bytes:
             self._reap(block=False)
             self._impl.reserve(num_bytes)
@@ -342,8 +361,8 @@ def default_arena() -> Arena:
     with _default_lock:
         if _default_arena is None:
             _default_arena = Arena(
-                _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES"),
-                min_slab_bytes=_env_int("GPU_OFFLOAD_MIN_SLAB_BYTES"),
+                _env_arena_bytes("GPU_OFFLOAD_ARENA_MAX_BYTES"),
+                min_slab_bytes=_env_arena_bytes("GPU_OFFLOAD_MIN_SLAB_BYTES"),
                 pin=os.environ.get("GPU_OFFLOAD_PIN", "auto"),
             )
             logger.debug("default arena created: %r", _default_arena)

@@ -389,7 +389,7 @@ def info_dict() -> dict:
     import torch
 
     from . import _C, build_info, cuda_available
-    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int
+    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_arena_bytes
     from .plan import gather_max_bytes
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -402,8 +402,8 @@ def info_dict() -> dict:
     except OffloadError as exc:
         raise OffloadError(f"the host copy pool's environment is refused: {exc}") from None
     gather = gather_max_bytes()  # GPU_OFFLOAD_GATHER_MAX_BYTES
-    max_bytes = _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES")
-    min_slab = _env_int("GPU_OFFLOAD_MIN_SLAB_BYTES")
+    max_bytes = _env_arena_bytes("GPU_OFFLOAD_ARENA_MAX_BYTES")
+    min_slab = _env_arena_bytes("GPU_OFFLOAD_MIN_SLAB_BYTES")
     pin = os.environ.get("GPU_OFFLOAD_PIN", "auto")
     try:
         Arena(max_bytes, min_slab_bytes=min_slab, pin=pin)

@@ -25,7 +25,11 @@ namespace {
 
 constexpr std::size_t kHugePage = 2u << 20;
 
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+// Sizes past 2**63-1 (what torch's int64 sizes hold) are refused here, before any rounding could wrap them.
+std::size_t round_up(std::size_t n, std::size_t to) {
+  GO_CHECK(n <= (std::size_t{1} << 63) - 1, "a size of " + std::to_string(n) + " bytes is past 2**63-1 bytes");
+  return (n + to - 1) / to * to;
+}
 
 std::string human(std::size_t bytes) {
   char buf[64];

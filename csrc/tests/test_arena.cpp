@@ -2,6 +2,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -259,6 +260,14 @@ TEST_CASE(trim_since_gives_back_only_the_slabs_made_after) {
   auto s = arena.stats();
   CHECK(s.num_slabs == 1 && s.capacity_bytes == 2 * kMiB);
   CHECK(arena.trim() == 2 * kMiB);
+}
+
+TEST_CASE(sizes_past_int64_are_refused_before_rounding_can_wrap_them) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  CHECK_THROWS(arena.allocate(SIZE_MAX));  // rounded up, it used to wrap to a one-block region
+  CHECK_THROWS(arena.reserve(SIZE_MAX - 4095));
+  CHECK_THROWS(arena.allocate(std::size_t{1} << 63));
+  CHECK(arena.stats().capacity_bytes == 0);
 }
 
 int main() { return check::run_all(); }
