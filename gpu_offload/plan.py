@@ -286,7 +286,10 @@ def _views_match(layout: Layout, plain: list[torch.Tensor]) -> bool:
     specs = layout.tensors
     return (list(map(_shape_of, plain)) == [t.shape for t in specs]
             and list(map(_dtype_of, plain)) == [t.dtype for t in specs]
-            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs])
+            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs]
+            # `.data = t.conj()`: the same view but a conjugate (or negative) bit, which bind() refuses.
+            # (The C++ guard sees the bits as part of the dispatch keys.)
+            and not any(map(torch.Tensor.is_conj, plain)) and not any(map(torch.Tensor.is_neg, plain)))
 
 
 try:  # torch.compile's guard on tensors: the same check in C++, about 3 times faster

@@ -361,6 +361,16 @@ def test_meta_tensor_is_refused_before_anything_is_written(tmp_path: Path) -> No
     assert (after["used_bytes"], after["capacity_bytes"]) == (before["used_bytes"], before["capacity_bytes"])
 
 
+def test_a_conjugate_view_is_refused_by_name_not_saved_conjugated(tmp_path: Path) -> None:
+    # Its storage holds the unconjugated values: staged as they are, the checkpoint held conj(value).
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    z = torch.complex(torch.randn(4), torch.randn(4))
+    with ArenaStager(arena) as stager:
+        with pytest.raises(go.OffloadError, match=r"ArenaStager.*zc: a conjugate view"):
+            dcp.async_save({"zc": z.conj()}, checkpoint_id=str(tmp_path / "c"), async_stager=stager, no_dist=True)
+    assert _no_files(tmp_path / "c") and arena.used_bytes == 0
+
+
 def test_offloaded_tensors_are_refused(tmp_path: Path) -> None:
     arena = go.Arena(min_slab_bytes=4 * _MIB)
     model = torch.nn.Linear(8, 8)

@@ -276,3 +276,34 @@ def test_sizes_past_int64_are_refused_with_the_size(arena, size):
     with pytest.raises(go.OffloadError, match=str(size)):
         go.Arena(min_slab_bytes=size)
     assert arena.capacity_bytes == 0 and arena.used_bytes == 0
+
+
+def _conj_and_neg_views() -> dict[str, torch.Tensor]:
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    return {"conj": z.conj(), "neg": z.conj().imag}
+
+
+@pytest.mark.parametrize("kind, bit", [("conj", "is_conj"), ("neg", "is_neg")])
+def test_conjugate_and_negative_views_are_refused_by_name(arena, kind, bit):
+    # Their storages hold the values before the bit: copied as they are, tensors(), files and DCP checkpoints
+    # held conj(value), and a plain snapshot restored into such a view as if the bit were not there.
+    view = _conj_and_neg_views()[kind]
+    for op in (go.snapshot, go.offload):
+        with pytest.raises(go.OffloadError, match=rf"x: a .* view \({bit}\(\)\)"):
+            op({"ok": torch.ones(2), "x": view}, arena=arena)
+    plain = {"ok": torch.ones(2), "x": view.resolve_conj().resolve_neg() * 0}
+    with go.snapshot(plain, arena=arena) as snap:
+        with pytest.raises(go.OffloadError, match=rf"x: a .* view \({bit}\(\)\)"):
+            go.restore({"ok": torch.ones(2), "x": view}, snap)
+    assert arena.used_bytes == 0 and go.offloaded_bytes() == 0
+
+
+def test_a_cached_plan_sees_a_tensor_become_a_conjugate_view(arena):
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    state = {"z": z}
+    for _ in range(3):  # cached, and its views checked at a hit
+        go.snapshot(state, arena=arena).free()
+    z.data = z.data.conj()  # same tensor, address, storage, shape, stride and dtype
+    with pytest.raises(go.OffloadError, match=r"z: a conjugate view"):
+        go.snapshot(state, arena=arena)
+    assert arena.used_bytes == 0
