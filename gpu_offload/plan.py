@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from . import _fork
+from . import _fork, torch_ext
 from ._errors import OffloadError
 from ._ext import _C
 from .arena import _env_int
@@ -194,7 +194,7 @@ class TargetPlan:
         self.layout: Layout = bound.layout
         self.keys = bound.keys
         self.storage_nbytes = [s.nbytes() for s in bound.storages]
-        self.storage_ptrs = [s.data_ptr() for s in bound.storages]
+        self.storage_ptrs = data_ptrs(bound.storages)
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
@@ -267,6 +267,25 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
     """The live storage of each planned storage, reached through the first tensor that views it."""
     return list(map(torch.Tensor.untyped_storage, [plain[i] for i in plan.first_tensor]))
 
+
+
+def data_ptrs(items: Sequence[Any]) -> list[int]:
+    """data_ptr() of each tensor or storage; 0 for one whose storage refuses access (offloaded: it holds no
+    memory, and a null pointer is what it would give without the refusal)."""
+    try:
+        return [x.data_ptr() for x in items]
+    except RuntimeError:
+        if not torch_ext.access_guard_available():
+            raise
+    out = []
+    for x in items:
+        try:
+            out.append(x.data_ptr())
+        except RuntimeError:
+            if not torch_ext.access_refused(x):
+                raise
+            out.append(0)
+    return out
 
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -426,7 +445,7 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
         info = shard_info()
         if info is not None:
             bound.layout = dataclasses.replace(bound.layout, shard_info=info)
-    plan = TargetPlan(names, tensors, list(map(torch.Tensor.data_ptr, _plain(tensors))), bound)
+    plan = TargetPlan(names, tensors, data_ptrs(_plain(tensors)), bound)
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering.
     if (cache and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
             and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))

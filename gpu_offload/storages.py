@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import torch_ext
 from ._errors import LayoutMismatchError, OffloadError
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -122,7 +123,8 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
         try:
             t.untyped_storage().data_ptr()
         except Exception as exc:
-            raise OffloadError(f"{name}: {type(t).__qualname__} has no storage to copy ({exc})") from None
+            if not (torch_ext.access_guard_available() and torch_ext.access_refused(t)):  # not an offloaded one
+                raise OffloadError(f"{name}: {type(t).__qualname__} has no storage to copy ({exc})") from None
     return t
 
 

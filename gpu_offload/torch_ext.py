@@ -19,7 +19,7 @@ import json
 import logging
 import os
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -111,14 +111,15 @@ def _require_guard(what: str) -> Any:
     return ext
 
 
-def refuse_access(storages: Sequence[Any], message: str) -> None:
+def refuse_access(storages: Sequence[Any], message: Union[str, Sequence[str]]) -> None:
     """Makes each storage refuse any access to its data (a read, a write, data_ptr(), torch.save, printing)
-    with a RuntimeError carrying `message`, until allow_access. The data and the size are not touched.
+    with a RuntimeError carrying `message` (one for all, or a list: one per storage), until allow_access. The
+    data and the size are not touched.
 
     storages: tensors (their storage), UntypedStorages, or storages' `_cdata` (the caller keeps those
     storages alive through the call); all are read before any is marked. One C++ call for all of them.
     Raises TorchExtUnavailable where the helper is not loaded (see status())."""
-    _require_guard("refuse").refuse_access(storages, message)
+    _require_guard("refuse").refuse_access(storages, message if isinstance(message, str) else list(message))
 
 
 def allow_access(storages: Sequence[Any]) -> None:

@@ -4,11 +4,13 @@
 // fallback, and nothing here touches CUDA. The torch-free core (_C) does not depend on it.
 #include <Python.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstddef>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -89,6 +91,15 @@ void refuse(const std::vector<S*>& storages, const std::string& message) {
 }
 
 template <typename S>
+void refuse_each(const std::vector<S*>& storages, const std::vector<std::string>& messages) {
+  if constexpr (has_access_guard<S>::value) {
+    for (std::size_t i = 0; i < storages.size(); ++i) {
+      storages[i]->release_data_and_set_meta_custom_data_ptr_error_msg_(messages[i]);
+    }
+  }
+}
+
+template <typename S>
 void allow(const std::vector<S*>& storages) {
   if constexpr (has_access_guard<S>::value) {
     for (S* s : storages) s->clear_data_ptr_access_error_msg_();
@@ -142,4 +153,18 @@ PYBIND11_MODULE(_torch_ext, m) {
         }
       },
       py::arg("storage"), "Whether a storage refuses data-pointer access.");
+  // An overload of refuse_access, tried after the one above: a message of its own for each storage (the
+  // offloaded tensor it names), still one call for all.
+  m.def(
+      "refuse_access",
+      [](const py::sequence& items, const std::vector<std::string>& messages) {
+        require_access_guard();
+        const auto storages = storages_of(items);
+        if (messages.size() != storages.size()) {
+          throw py::value_error("refuse_access: " + std::to_string(messages.size()) + " messages for " +
+                                std::to_string(storages.size()) + " storages");
+        }
+        refuse_each(storages, messages);
+      },
+      py::arg("storages"), py::arg("messages"));
 }
