@@ -15,10 +15,11 @@ Touching offloaded state raises instead of reading released memory: the storages
 from __future__ import annotations
 
 import _thread
+import collections
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 
@@ -54,7 +55,7 @@ entries: dict[int, Offloaded] = {}
 _dead: dict[int, "weakref.ref[Any]"] = {}
 
 
-class _Lock(_thread.RLock):
+class _Lock(_thread.RLock):  # type: ignore[misc]  # final in the stubs, subclassable at run time
     """The registry's re-entrant lock; taking it first drops the entries of storages that died.
 
     Owned from the moment it is taken, whatever interrupts: the acquisition's result lands in a list inside
@@ -63,7 +64,7 @@ class _Lock(_thread.RLock):
     releases). Unheld again in a forked child (gpu_offload._fork).
     """
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> "_Lock":  # type: ignore[override]
         taken: list[bool] = []
         try:
             taken.extend(map(_thread.RLock.acquire, (self,)))
@@ -333,7 +334,9 @@ def _hook_module(module: torch.nn.Module, top: "weakref.ref[torch.nn.Module]") -
     own = attrs.get("forward")
     if isinstance(own, _OffloadedForward):
         return False
-    forward, state = module._forward_pre_hooks, module._state_dict_pre_hooks
+    # OrderedDicts (typed as dicts in torch's stubs)
+    forward = cast("collections.OrderedDict[int, Any]", module._forward_pre_hooks)
+    state = cast("collections.OrderedDict[int, Any]", module._state_dict_pre_hooks)
     forward[_HOOK_ID] = _module_forward_guard
     forward.move_to_end(_HOOK_ID, last=False)
     state[_HOOK_ID] = _module_state_dict_guard
