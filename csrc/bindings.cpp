@@ -220,7 +220,7 @@ PYBIND11_MODULE(_C, m) {
       .def("reserve", &HostArena::reserve, py::arg("num_bytes"), py::arg("numa_node") = HostArena::kAnyNode,
            py::call_guard<py::gil_scoped_release>())
       .def("take_notes", &HostArena::take_notes, py::call_guard<py::gil_scoped_release>())  // waits on a pin
-      .def("trim", &HostArena::trim, py::call_guard<py::gil_scoped_release>())
+      .def("trim", &HostArena::trim, py::arg("first_slab") = 0, py::call_guard<py::gil_scoped_release>())
       .def("region_bytes", &HostArena::region_bytes, py::arg("ptr"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("pin_mode",
                              [](const HostArena& a) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
@@ -28,8 +29,19 @@ def parse_bytes(text: str, what: str = "value") -> int:
     if match is None or unit not in _UNITS:
         raise OffloadError(f"{what}={text!r} is not a number of bytes (e.g. 8589934592, 8GiB, 512MiB, 2GB)")
     number = match.group(1)
-    # Plain digits stay exact integers; a float form (1e9, 1.5GiB) goes through float.
-    value: float = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
+    # Exact decimal arithmetic (1.5GiB, 1.3GB, 8e9 are whole numbers of bytes); a fraction of a byte (0.5,
+    # 1.5) is refused, not rounded to 0 or 1.
+    try:
+        exact = decimal.Decimal(number) * _UNITS[unit]
+        whole = exact == exact.to_integral_value()
+    except decimal.DecimalException:  # an exponent past what decimal holds: no byte count either
+        raise OffloadError(finite_message) from None
+    if exact > MAX_BYTES:
+        raise OffloadError(finite_message)
+    if not whole:
+        raise OffloadError(f"{what}={text!r} is not a whole number of bytes ({exact.normalize():f} bytes); give bytes "
+                           "as an integer or with a unit (e.g. 8GiB, 1.5GiB)")
+    value = int(exact)
     if not math.isfinite(value) or value > MAX_BYTES:
         raise OffloadError(finite_message)
     return int(value)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any, Iterable, Optional
+
+from . import _fork
 
 logger = logging.getLogger("gpu_offload")
 
 UNKNOWN = -1
 _nodes: dict[int, int] = {}  # CUDA device index -> NUMA node (UNKNOWN), read once per process
-_lock = threading.Lock()
+_lock = _fork.new_lock()
 
 
 def sysfs_root() -> str:

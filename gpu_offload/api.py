@@ -301,8 +301,10 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
     With `checksum=True` a checksum of every storage is taken from the source as it is copied out (the
     same sums as `snapshot(..., checksum=True)`), for `reload(..., verify=True)`.
 
-    Calling an offloaded module (its forward) raises OffloadError until it is reloaded. Dropping an
-    offloaded target (the last reference to its tensors) returns its host memory to the arena.
+    Using an offloaded module (any of its submodules, their forward or state_dict) or optimizer (step,
+    state_dict) raises OffloadError until it is reloaded; with the torch-aware helper any other access to
+    an offloaded tensor's data raises a RuntimeError naming it. Dropping an offloaded target (the last
+    reference to its tensors) returns its host memory to the arena.
 
     Raises:
         OffloadError: already offloaded (offloading twice is an error), unsupported tensors, a storage
@@ -350,9 +352,13 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             _plan.mark_in_use(_first_views(resolved), to_host=True)
             for _, _, storage in live:
                 storage.resize_(0)
-            _registry.guard(target)  # calling an offloaded module raises a clear error
+            # Touching offloaded state raises: the storages refuse access to their data (one C++ call), the
+            # target's modules and optimizers raise OffloadError when used.
+            _registry.refuse([st for _, _, st in live], [spec.name for _, spec, _ in live])
+            _registry.guard(target, [k for k, _, _ in live])
         except BaseException:
             _undo_offload(live, region, events)  # exception safety: the target is left as it was
+            _registry.unguard(target)
             raise
         # Last, once nothing can fail: the gradients have no copy that an undo could put back.
         _drop(dropping)
@@ -401,8 +407,10 @@ def reload(target: Any, *, verify: bool = False) -> None:
             if item[2].region is not None:  # (gradients dropped by offload(grads="drop") have no copy)
                 by_region.setdefault(id(item[2].region), []).append(item)
         enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]] = []
+        keys = [k for k, _, _ in records]
         allocating = True
         try:
+            _registry.allow(keys)  # one C++ call; the storages are held by `records`
             for _, storage, record in records:
                 storage.resize_(record.nbytes)
             allocating = False
@@ -432,7 +440,7 @@ def reload(target: Any, *, verify: bool = False) -> None:
             raise
         # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
         # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
-        collections.deque(map(_registry.entries.pop, [k for k, _, _ in records]), maxlen=0)
+        collections.deque(map(_registry.entries.pop, keys), maxlen=0)
         for items, events in enqueued:
             items[0][2].region.release(events, count=len(items))  # type: ignore[union-attr]
     _registry.unguard(target)
@@ -458,9 +466,13 @@ def discard(target: Any) -> None:
         keys = [k for k in bound.keys if k in _registry.entries]
         if not keys:
             raise OffloadError("cannot discard: nothing in the target is offloaded")
+        storages = [st for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
+        records = list(map(_registry.entries.pop, keys))  # one step of C code: all leave the registry, or none
+        # Plain empty storages from now on, as resize_(0) leaves them: the caller gives them memory again.
+        # (After the entries: an interrupt between the two leaves them refusing access, never empty and open.)
+        _registry.allow(storages)
         nbytes = 0
-        for key in keys:
-            record = _registry.entries.pop(key)
+        for record in records:
             if record.region is not None:  # (a dropped gradient has no host copy)
                 record.region.release(record.events)
             nbytes += record.nbytes
@@ -536,6 +548,7 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
     Released storages are found by their size, so one released just before the interrupt is not missed."""
     for key, _, _ in live:
         _registry.entries.pop(key, None)
+    _registry.allow([st for _, _, st in live])
     released = [(spec, storage) for _, spec, storage in live if storage.nbytes() != spec.nbytes]
     back: list[Any] = []
     if released:
@@ -563,6 +576,7 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
     for _, storage, _ in records:
         if storage.nbytes() != 0:
             storage.resize_(0)
+    _registry.refuse([st for _, st, _ in records], [r.name for _, _, r in records])  # offloaded as before
 
 
 def is_offloaded(target: Any) -> bool:

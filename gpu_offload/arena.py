@@ -9,12 +9,11 @@ import logging
 import os
 import re
 import resource
-import threading
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
-from . import _capture, _topology
-from ._bytes import parse_bytes, parse_bytes_or_fraction
+from . import _capture, _fork, _topology
+from ._bytes import MAX_BYTES, parse_bytes, parse_bytes_or_fraction
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 
@@ -60,7 +59,7 @@ def _drop_done(events: list[Any]) -> None:
 
 _DEFAULT_LEDGER_DIR = "/dev/shm"
 _node_configured = False
-_node_lock = threading.Lock()
+_node_lock = _fork.new_lock()
 _logged_notes: set[str] = set()
 
 
@@ -101,6 +100,24 @@ def _log_notes(notes: Sequence[str]) -> None:
             logger.warning("%s", note)
 
 
+def _env_arena_bytes(name: str) -> Optional[int]:
+    """GPU_OFFLOAD_ARENA_MAX_BYTES or GPU_OFFLOAD_MIN_SLAB_BYTES: a positive whole number of bytes, or None
+    when unset; refused naming the variable otherwise."""
+    try:
+        value = _env_int(name)
+    except OffloadError as exc:
+        text = os.environ.get(name, "")
+        if name == "GPU_OFFLOAD_ARENA_MAX_BYTES" and re.fullmatch(r"\s*[0-9]*\.[0-9]+\s*", text):
+            raise OffloadError(f"{exc}; a cap that is a fraction of the node's memory is GPU_OFFLOAD_NODE_MAX_BYTES "
+                               f"(e.g. GPU_OFFLOAD_NODE_MAX_BYTES={text.strip()}), one budget for every process of "
+                               "the node") from None
+        raise
+    if value == 0:
+        raise OffloadError(f"{name}={os.environ.get(name)!r} must be positive (unset it for "
+                           f"{'no cap' if name == 'GPU_OFFLOAD_ARENA_MAX_BYTES' else 'the default'})")
+    return value
+
+
 class Region:
     """A block of arena memory shared by the storages of one snapshot or one offload.
 
@@ -121,6 +138,8 @@ class Region:
 
     @property
     def ptr(self) -> int:
+        if self.arena._left_in_parent:
+            raise OffloadError(_LEFT_IN_PARENT)
         return self._box[0]
 
     def release(self, pending: Sequence[Any] = (), count: int = 1) -> None:
@@ -149,13 +168,36 @@ class Region:
         """True until the last user has released the region."""
         return self._users > 0
 
-    def acquire(self) -> bool:
-        """Adds a user (a copy about to read the region, views over it); False once it was released."""
+    def acquire(self, owner: Any = None, attr: str = "region") -> bool:
+        """Adds a user (a copy about to read the region, views over it); False once it was released.
+
+        With an owner, the user is handed to it (`owner.<attr> = region`) in the same step, with no
+        interpreter step between the count and the store where an interrupt could fall and lose it.
+        """
         with self.arena._lock:
             if self._users <= 0:
                 return False
             self._users += 1
+            if owner is not None:
+                setattr(owner, attr, self)
             return True
+
+    def _drop(self, holder: Any, attr: str = "region", pending: Sequence[Any] = ()) -> None:
+        """Ends the user that `holder.<attr>` holds (a lease, a snapshot), at most once however often it is
+        called (release(), then a finalizer): the count and the holder's reference go in one step, with no
+        interpreter step between them where an interrupt could fall."""
+        with self.arena._lock:
+            if getattr(holder, attr, None) is not self:
+                return
+            # Kept first for the last user (e.g. a freed snapshot's restores, while views still hold it);
+            # completed copies are dropped, so a snapshot restored every step keeps no growing list.
+            self._pending = [e for e in self._pending if not e.query()]
+            known = {id(e) for e in self._pending}
+            self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
+            self._users -= 1
+            setattr(holder, attr, None)
+            if self._users <= 0:
+                self.arena._free_box(self._box, list(self._pending))
 
     def buffer(self, owner: object) -> Any:
         """A writable buffer over the region that keeps `owner` alive while anything (e.g. a tensor made
@@ -170,6 +212,44 @@ class Region:
         box = getattr(self, "_box", None)  # None: interrupted in __init__, before any memory
         if box:
             self.arena._orphans.append((box, list(self._pending)))
+
+
+class Lease:
+    """One user of a region, owned from the moment it exists (`Region.acquire(lease)` counts the user and
+    stores the region here in one step), released once: by `release()`, or when the lease is dropped (an
+    interrupt between the acquisition and the code that would release it). Reads like the region for the
+    copy that holds it (`ptr`, `buffer`); copies it should outlive go to `release(pending)`.
+    """
+
+    __slots__ = ("region", "pending", "__weakref__")
+
+    def __init__(self) -> None:
+        self.region: Optional[Region] = None
+        self.pending: list[Any] = []  # recorded before the release, so that a finalizer still waits for them
+
+    @property
+    def ptr(self) -> int:
+        region = self.region
+        if region is None:
+            raise OffloadError("internal error: a released lease on an arena region was used")
+        return region.ptr
+
+    def buffer(self, owner: object) -> Any:
+        region = self.region
+        if region is None:
+            raise OffloadError("internal error: a released lease on an arena region was used")
+        return region.buffer(owner)
+
+    def release(self, pending: Sequence[Any] = ()) -> None:
+        self.pending.extend(pending)
+        region = self.region
+        if region is not None:
+            region._drop(self, "region", self.pending)
+
+    def __del__(self) -> None:
+        region = getattr(self, "region", None)
+        if region is not None:
+            region._drop(self, "region", self.pending)
 
 
 class Arena:
@@ -190,21 +270,22 @@ class Arena:
     """
 
     def __init__(self, max_bytes: Optional[int] = None, *, min_slab_bytes: Optional[int] = None, pin: str = "auto") -> None:
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
-            raise OffloadError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_BYTES):
+            raise OffloadError(f"max_bytes must be an int from 1 to 2**63-1 or None, got {max_bytes!r}")
         if min_slab_bytes is None:
             min_slab_bytes = _DEFAULT_MIN_SLAB_BYTES
-        if not isinstance(min_slab_bytes, int) or min_slab_bytes <= 0:
-            raise OffloadError(f"min_slab_bytes must be a positive int, got {min_slab_bytes!r}")
+        if not isinstance(min_slab_bytes, int) or not 0 < min_slab_bytes <= MAX_BYTES:
+            raise OffloadError(f"min_slab_bytes must be an int from 1 to 2**63-1, got {min_slab_bytes!r}")
         if pin not in _PIN_MODES:
             raise OffloadError(f"pin must be one of {', '.join(_PIN_MODES)}, got {pin!r}")
         if max_bytes is not None:
             min_slab_bytes = min(min_slab_bytes, max_bytes)
         _configure_node()  # GPU_OFFLOAD_NODE_MAX_BYTES is checked (and refused) here, before any slab
         self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
-        self._lock = threading.RLock()
+        self._lock = _fork.new_lock(reentrant=True)
         self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
         self._orphans: list[tuple[list[int], list[Any]]] = []  # regions dropped unreleased (Region.__del__)
+        self._left_in_parent = False  # in a forked child: the pinned slabs were not inherited
         _live.add(self)
 
     # -- public ---------------------------------------------------------------------------------------
@@ -232,8 +313,8 @@ class Arena:
     def reserve(self, num_bytes: int, device: Any = None) -> None:
         """Pins ahead so that a region of `num_bytes` can later be handed out without pinning; for a CUDA
         `device` (a torch.device, "cuda:1"), on that GPU's NUMA node."""
-        if not isinstance(num_bytes, int) or num_bytes < 0:
-            raise OffloadError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
+        if not isinstance(num_bytes, int) or not 0 <= num_bytes <= MAX_BYTES:  # past it the core's sizes wrap
+            raise OffloadError(f"num_bytes must be an int from 0 to 2**63-1, got {num_bytes!r}")
         if num_bytes:
             self._reap(block=False)
             node = _topology.numa_node_for([_as_device(device)]) if device is not None else _topology.UNKNOWN
@@ -246,6 +327,16 @@ class Arena:
         """Returns slabs with nothing in them to the system; returns the bytes released."""
         self._reap(block=True)
         return int(self._impl.trim())
+
+    def _slabs_made(self) -> int:
+        """Slabs created so far (their numbers, in creation order): for _trim_since."""
+        return int(self._impl.stats()["num_slab_allocations"])
+
+    def _trim_since(self, slabs_made: int) -> int:
+        """Returns to the system the empty slabs created since _slabs_made() said `slabs_made` (what one call
+        pinned for itself), keeping the older ones (reserve()); the bytes released."""
+        self._reap(block=True)
+        return int(self._impl.trim(slabs_made))
 
     def stats(self) -> dict[str, Any]:
         """Capacity, use, slab count, free blocks, slabs ever pinned, seconds spent pinning, and the
@@ -265,6 +356,8 @@ class Arena:
                   numa_node: Optional[int] = None) -> Region:
         """A region of num_bytes for a call on `devices` (its slab on the first GPU's NUMA node, or on
         `numa_node` when given)."""
+        if self._left_in_parent:
+            raise OffloadError(_LEFT_IN_PARENT)
         self._reap(block=False)
         node = _topology.numa_node_for(devices) if numa_node is None else numa_node
         # The region exists before its memory: C code (map, extend) stores the pointer in it, so no
@@ -386,7 +479,25 @@ def _as_device(device: Any) -> Any:
 
 
 _default_arena: Optional[Arena] = None
-_default_lock = threading.Lock()
+_default_lock = _fork.new_lock()
+
+# -- fork ---------------------------------------------------------------------------------------------------
+_LEFT_IN_PARENT = ("this arena's memory is pinned and stayed in the parent process: a forked child does not inherit "
+                   "pinned slabs (MADV_DONTFORK), nor the snapshots and offloaded state in them; use a new Arena "
+                   "in the child (the default arena is a new one there)")
+
+
+def _after_fork_in_child() -> None:
+    """Arenas whose memory the child did not inherit refuse every use; the default arena starts afresh."""
+    global _default_arena
+    for arena in list(_live):
+        if arena._impl.pin_mode in ("hostalloc", "register") and int(arena._impl.stats()["capacity_bytes"]):
+            arena._left_in_parent = True
+    if _default_arena is not None and _default_arena._left_in_parent:
+        _default_arena = None
+
+
+_fork.in_child(_after_fork_in_child)
 
 
 def default_arena() -> Arena:
@@ -400,8 +511,8 @@ def default_arena() -> Arena:
     with _default_lock:
         if _default_arena is None:
             _default_arena = Arena(
-                _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES"),
-                min_slab_bytes=_env_int("GPU_OFFLOAD_MIN_SLAB_BYTES"),
+                _env_arena_bytes("GPU_OFFLOAD_ARENA_MAX_BYTES"),
+                min_slab_bytes=_env_arena_bytes("GPU_OFFLOAD_MIN_SLAB_BYTES"),
                 pin=os.environ.get("GPU_OFFLOAD_PIN", "auto"),
             )
             logger.debug("default arena created: %r", _default_arena)

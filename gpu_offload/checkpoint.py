@@ -23,8 +23,8 @@ if `should_synchronize_after_execute`.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import _capture, api
+from . import _capture, _fork, api
 from ._errors import OffloadError
 from .arena import Arena, Region, default_arena
 from .storages import PLAIN_TENSOR_TYPES
@@ -132,7 +132,7 @@ class ArenaStager(AsyncStager):
         # The regions of this stager's stages, with their payload bytes: a staged dict's views hold its
         # region (not the Snapshot object), so a region in use is a staged dict still referenced.
         self._staged: list[tuple[Region, int]] = []
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
         self._closed = False
 
     # -- AsyncStager ------------------------------------------------------------------------------------
@@ -148,6 +148,7 @@ class ArenaStager(AsyncStager):
         _capture.refuse("ArenaStager.stage")
         with self._lock:  # a finished stage's future holds its staged dict: let it go before allocating
             self._pending = [f for f in self._pending if not f.done()]
+        self._reclaim()
         tensors, build = flatten_state_dict(state_dict)
         if not tensors:
             staged = build({})
@@ -165,6 +166,8 @@ class ArenaStager(AsyncStager):
         if snap.done():  # the CPU path, or a copy already finished
             return _done(build(snap.state_dict()))
         with self._lock:
+            if self._closed:  # close() ran meanwhile: no new thread after it (the snapshot is freed with `snap`)
+                raise OffloadError("ArenaStager: stage() after close()")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu_offload-stager")
             # The worker holds the snapshot only until the staged dict (whose views keep it) is built.
@@ -191,6 +194,18 @@ class ArenaStager(AsyncStager):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Frees the staged state dicts of earlier saves that only a reference cycle still holds. A failed
+        write's exception holds its frames, and DCP's frames hold the exception (`all_reduce`), so after the
+        caller drops the future and the exception only the cycle collector can free them, which many
+        trainers turn off; it is run here, when this stager's staged memory is still held, so that the
+        space is back before the stager takes more (at the next stage()) or lets go (close())."""
+        with self._lock:
+            held = any(r.in_use for r, _ in self._staged)
+        if held:
+            gc.collect()
 
     # -- introspection ----------------------------------------------------------------------------------
     @property

@@ -388,8 +388,8 @@ def info_dict() -> dict:
 
     import torch
 
-    from . import _C, _topology, build_info, cuda_available
-    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int, memory_stats, node_budget_from_env
+    from . import _C, _topology, build_info, cuda_available, torch_ext
+    from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_arena_bytes, memory_stats, node_budget_from_env
     from .plan import gather_max_bytes
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -402,8 +402,8 @@ def info_dict() -> dict:
     except OffloadError as exc:
         raise OffloadError(f"the host copy pool's environment is refused: {exc}") from None
     gather = gather_max_bytes()  # GPU_OFFLOAD_GATHER_MAX_BYTES
-    max_bytes = _env_int("GPU_OFFLOAD_ARENA_MAX_BYTES")
-    min_slab = _env_int("GPU_OFFLOAD_MIN_SLAB_BYTES")
+    max_bytes = _env_arena_bytes("GPU_OFFLOAD_ARENA_MAX_BYTES")
+    min_slab = _env_arena_bytes("GPU_OFFLOAD_MIN_SLAB_BYTES")
     pin = os.environ.get("GPU_OFFLOAD_PIN", "auto")
     node_max, ledger_dir = node_budget_from_env()  # GPU_OFFLOAD_NODE_MAX_BYTES, GPU_OFFLOAD_LEDGER_DIR
     try:
@@ -441,6 +441,7 @@ def info_dict() -> dict:
         "numa_nodes": _topology.online_nodes(),
         "gpus": gpus,  # each GPU's PCI address and NUMA node
         "memory": memory_stats(),  # this process's arenas (empty in a fresh `info`) and the node's ledger
+        "torch_ext": torch_ext.status(),  # the torch-aware helper: loaded, or why not
     }
 
 
@@ -510,6 +511,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                         for n, b in sorted(proc["bytes_by_numa_node"].items()))
     table.add_row("this process's arenas", f"{proc['pinned_bytes'] / 2**20:.0f} MiB pinned, "
                   f"{proc['pageable_bytes'] / 2**20:.0f} MiB pageable" + (f" ({by_node})" if by_node else ""))
+    table.add_row("torch helper", info["torch_ext"])
     _console().print(table)
     return 0
 

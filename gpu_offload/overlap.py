@@ -14,13 +14,12 @@ update, Megatron's overlapped parameter all-gather, a manual `p.data.copy_()`.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from . import _capture
+from . import _capture, _fork
 from . import plan as _plan
 from ._errors import OffloadError
 
@@ -33,7 +32,7 @@ class _Entry:
 
 
 _pending: list[_Entry] = []
-_lock = threading.Lock()
+_lock = _fork.new_lock()
 _hook: Any = None
 
 

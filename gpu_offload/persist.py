@@ -23,6 +23,7 @@ lock it can take (their writer is gone, in this PID namespace or any other) once
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -58,6 +59,31 @@ _INT64_MAX = (1 << 63) - 1
 _temporary_ids = itertools.count()
 
 PathLike = Union[str, "os.PathLike[str]"]
+# The temporary's name: <path>.tmp-<pid>-<counter>-<8 hex digits>; only names of exactly this form are ever removed.
+_TEMPORARY = r"\.tmp-[1-9][0-9]*-(?:0|[1-9][0-9]*)-[0-9a-f]{8}"
+
+
+class _Descriptor:
+    """An open file descriptor, owned from the moment it exists: os.open's result lands in the box inside
+    C code (map, extend), so no interrupt falls between the open and its owner; closed once, by close()
+    or when the owner is dropped (an interrupt anywhere after)."""
+
+    __slots__ = ("_box",)
+
+    def __init__(self, path: str, flags: int, mode: int = 0o777) -> None:
+        self._box: list[int] = []
+        self._box.extend(map(os.open, (path,), (flags,), (mode,)))
+
+    @property
+    def fd(self) -> int:
+        return self._box[0]
+
+    def close(self) -> None:
+        box = getattr(self, "_box", None)
+        if box:
+            collections.deque(map(os.close, map(list.pop, [box])), maxlen=0)  # pop and close in one step
+
+    __del__ = close
 
 
 # -- save ----------------------------------------------------------------------------------------------
@@ -81,11 +107,11 @@ def _layout_json(layout: Layout, checksums: list[int], source: str, include_grad
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    descriptor = _Descriptor(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
     try:
-        os.fsync(fd)
+        os.fsync(descriptor.fd)
     finally:
-        os.close(fd)
+        descriptor.close()
 
 
 def _remove_stale_temporaries(path: str) -> None:
@@ -96,7 +122,7 @@ def _remove_stale_temporaries(path: str) -> None:
     The age guard covers the instant between a writer creating its file and locking it.
     """
     directory, base = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(base) + r"\.tmp-\d+-\d+(-[0-9a-f]+)?")
+    pattern = re.compile(re.escape(base) + _TEMPORARY)  # only names save() makes: never a user's own file
     try:
         names = os.listdir(directory)
     except OSError:
@@ -106,9 +132,10 @@ def _remove_stale_temporaries(path: str) -> None:
             continue
         full = os.path.join(directory, name)
         try:
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            descriptor = _Descriptor(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
+        fd = descriptor.fd
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < _STALE_TEMPORARY_SECONDS:
@@ -123,21 +150,23 @@ def _remove_stale_temporaries(path: str) -> None:
                     os.unlink(full)
                     logger.debug("removed %s, left by a save that did not finish", name)
         finally:
-            os.close(fd)
+            descriptor.close()
 
 
-def _check_destination(path: str) -> None:
-    """Refuses to replace anything but a regular file (a device node, FIFO, socket or directory)."""
+def _check_destination(path: str) -> Optional[int]:
+    """Refuses to replace anything but a regular file (a device node, FIFO, socket or directory); the
+    permission bits of the file it replaces, None when there is none."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return
+        return None
     if not stat.S_ISREG(st.st_mode):
         kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
                 else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
         raise OffloadError(f"cannot save to {path}: it is {kind}, not a regular file; "
                            "a snapshot only replaces a regular file (or creates one)")
+    return stat.S_IMODE(st.st_mode)
 
 
 def _header_bytes(layout: Layout, metadata: dict[str, str]) -> bytes:
@@ -195,7 +224,7 @@ def _write(snap: Snapshot, region: Any, path: str) -> None:
     else:
         checksums = _integrity.host_checksums(layout, region.ptr)
         source = "host copy"
-    _check_destination(path)
+    mode = _check_destination(path)
     text = _layout_json(layout, checksums, source, snap._include_grads)
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "package_version": __version__,
                 "layout": text, "layout_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
@@ -203,23 +232,30 @@ def _write(snap: Snapshot, region: Any, path: str) -> None:
     _remove_stale_temporaries(path)
     temporary = f"{path}.tmp-{os.getpid()}-{next(_temporary_ids)}-{os.urandom(4).hex()}"
     view = memoryview(region.buffer(owner=snap)).cast("B")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    descriptor: Optional[_Descriptor] = None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: the file is live (see the sweep above)
-            _write_all(fd, memoryview(head))
-            for spec in layout.storages:
-                _write_all(fd, view[spec.host_offset:spec.host_offset + spec.nbytes])
-            os.fsync(fd)  # the bytes are on disk before the name points at them
-            _check_destination(path)  # again: it may have become something else meanwhile
-            os.replace(temporary, path)
-        finally:
-            os.close(fd)
+        # Created inside the try that removes it: an interrupt right after the open leaves no temporary.
+        # A new file gets 0666 less the umask, as open() would; a replaced one keeps its own mode (set
+        # before any byte is written, on a temporary created private).
+        descriptor = _Descriptor(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                                 0o666 if mode is None else 0o600)
+        fd = descriptor.fd
+        if mode is not None:
+            os.fchmod(fd, mode)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: the file is live (see the sweep above)
+        _write_all(fd, memoryview(head))
+        for spec in layout.storages:
+            _write_all(fd, view[spec.host_offset:spec.host_offset + spec.nbytes])
+        os.fsync(fd)  # the bytes are on disk before the name points at them
+        _check_destination(path)  # again: it may have become something else meanwhile
+        os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
     finally:
+        if descriptor is not None:
+            descriptor.close()
         view.release()
     _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)  # and so is the rename
 
@@ -408,7 +444,11 @@ def _check_format(path: str, meta: Any) -> int:
         layout, digest = meta.get("layout"), meta.get("layout_sha256")
         if not isinstance(layout, str) or not isinstance(digest, str):
             raise _bad(path, "corrupt metadata: the layout or its checksum (layout_sha256) is missing")
-        if hashlib.sha256(layout.encode("utf-8")).hexdigest() != digest:
+        try:
+            encoded = layout.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (an escaped \ud800 in the JSON): no text save() writes
+            raise _bad(path, "corrupt layout: it is not valid text (a lone surrogate)") from None
+        if hashlib.sha256(encoded).hexdigest() != digest:
             raise _bad(path, "corrupt layout: it does not match its checksum (layout_sha256); the offsets, "
                        "shapes or storages it describes cannot be trusted")
     return version
@@ -433,12 +473,18 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
     start = time.perf_counter()
     path = os.fspath(path)
     # O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore the flag).
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # FileNotFoundError as is
+    descriptor = _Descriptor(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # FileNotFoundError
+    try:
+        return _load(descriptor.fd, path, arena, start)
+    finally:
+        descriptor.close()
+
+
+def _load(fd: int, path: str, arena: Optional[Arena], start: float) -> Snapshot:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
         raise _bad(path, "not a regular file (a FIFO, a device or a directory?)")
-    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
+    with open(fd, "rb", buffering=1 << 20, closefd=False) as f:
         size = st.st_size
         header, data_start = _read_header(f, path, size)
         meta = header.get("__metadata__")
@@ -450,7 +496,7 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
         starts = _check_entries(path, header, layout, size, data_start)
 
         arena = arena if arena is not None else default_arena()
-        capacity = arena.capacity_bytes
+        slabs = arena._slabs_made()
         region = arena._allocate(layout.host_bytes, devices=layout.devices)  # where it will be restored
         try:
             _read_into(f, path, layout, region, [data_start + s for s in starts])
@@ -458,9 +504,10 @@ def load(path: PathLike, arena: Optional[Arena] = None) -> Snapshot:
                              f"cannot load {path}: data corrupt")
         except BaseException:
             region.release()
-            if arena.capacity_bytes > capacity:
-                with contextlib.suppress(Exception):  # the load's own error is the one to report
-                    arena.trim()  # the slab pinned for this file is not kept for a file that was refused
+            with contextlib.suppress(Exception):  # the load's own error is the one to report
+                # A slab pinned for this file is not kept for a file that was refused; the arena's other
+                # empty slabs (reserve()) are.
+                arena._trim_since(slabs)
             raise
     logger.debug("loaded %d storages, %d bytes from %s in %.3f s", len(layout.storages), layout.nbytes, path,
                  time.perf_counter() - start)

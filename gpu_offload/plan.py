@@ -16,13 +16,13 @@ import contextvars
 import dataclasses
 import logging
 import operator
-import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import _fork, torch_ext
 from ._errors import OffloadError
 from ._ext import _C
 from .arena import _env_int
@@ -224,7 +224,7 @@ class TargetPlan:
         self.layout: Layout = bound.layout
         self.keys = bound.keys
         self.storage_nbytes = [s.nbytes() for s in bound.storages]
-        self.storage_ptrs = [s.data_ptr() for s in bound.storages]
+        self.storage_ptrs = data_ptrs(bound.storages)
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
@@ -238,7 +238,7 @@ class TargetPlan:
         self._copies: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
 
     def same_views(self, plain: list[torch.Tensor]) -> bool:
         """Whether every tensor still views its storage as the layout says (shape, stride, dtype).
@@ -316,6 +316,25 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
 
 
 
+def data_ptrs(items: Sequence[Any]) -> list[int]:
+    """data_ptr() of each tensor or storage; 0 for one whose storage refuses access (offloaded: it holds no
+    memory, and a null pointer is what it would give without the refusal)."""
+    try:
+        return [x.data_ptr() for x in items]
+    except RuntimeError:
+        if not torch_ext.access_guard_available():
+            raise
+    out = []
+    for x in items:
+        try:
+            out.append(x.data_ptr())
+        except RuntimeError:
+            if not torch_ext.access_refused(x):
+                raise
+            out.append(0)
+    return out
+
+
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards. (A
     DTensor's own data_ptr() is 0 and its untyped_storage() describes no real memory.)"""
@@ -333,7 +352,10 @@ def _views_match(layout: Layout, plain: list[torch.Tensor]) -> bool:
     specs = layout.tensors
     return (list(map(_shape_of, plain)) == [t.shape for t in specs]
             and list(map(_dtype_of, plain)) == [t.dtype for t in specs]
-            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs])
+            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs]
+            # `.data = t.conj()`: the same view but a conjugate (or negative) bit, which bind() refuses.
+            # (The C++ guard sees the bits as part of the dispatch keys.)
+            and not any(map(torch.Tensor.is_conj, plain)) and not any(map(torch.Tensor.is_neg, plain)))
 
 
 try:  # torch.compile's guard on tensors: the same check in C++, about 3 times faster
@@ -397,7 +419,7 @@ class _ViewCheck:
 
 
 _cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
-_cache_lock = threading.Lock()
+_cache_lock = _fork.new_lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
 # append here; the cache itself is pruned at the next lookup, under the lock).
 _dead_keys: list[tuple[int, ...]] = []
@@ -470,7 +492,7 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
         info = shard_info()
         if info is not None:
             bound.layout = dataclasses.replace(bound.layout, shard_info=info)
-    plan = TargetPlan(names, tensors, list(map(torch.Tensor.data_ptr, _plain(tensors))), bound)
+    plan = TargetPlan(names, tensors, data_ptrs(_plain(tensors)), bound)
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering.
     if (cache and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
             and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, Optional
 
 import torch
 
-from . import _capture
+from . import _capture, _fork
 from . import integrity as _integrity
 from ._errors import OffloadError
-from .arena import Arena, Region, _done
+from .arena import Arena, Lease, Region, _done
 from .storages import Layout
 
 
@@ -32,7 +31,7 @@ class Snapshot:
         self._layout = layout
         self._region: Optional[Region] = region
         self._events = events  # copies writing the region (the snapshot) and reading it (restores)
-        self._lock = threading.Lock()
+        self._lock = _fork.new_lock()
         self._checksums = checksums  # taken from the source (snapshot(checksum=True)) or read from a file
         # Whether the snapshot holds gradients, as asked (None: unknown, e.g. a file that did not record it;
         # then guessed from the names).
@@ -79,14 +78,15 @@ class Snapshot:
             raise OffloadError("this snapshot was freed; it can no longer be used")
         return region
 
-    def _use(self) -> Region:
-        """The region with one more user, for a copy about to read it: a free() from another thread
+    def _use(self) -> Lease:
+        """A user of the region of its own, for a copy about to read it: a free() from another thread
         meanwhile only drops the snapshot's own user, so the memory outlives the copy. The caller
-        releases it (with the copy's events)."""
+        releases it (with the copy's events); a lease dropped unreleased (an interrupt) releases itself."""
         region = self._live()
-        if not region.acquire():
+        lease = Lease()
+        if not region.acquire(lease):
             raise OffloadError("this snapshot was freed; it can no longer be used")
-        return region
+        return lease
 
     def _add_events(self, events: list[Any]) -> None:
         with self._lock:
@@ -115,10 +115,10 @@ class Snapshot:
         """Returns the snapshot's arena space. Copies still in flight finish first (the space is reused
         only after them); any later use of the snapshot raises OffloadError. Freeing twice is a no-op."""
         with self._lock:
-            region, self._region = self._region, None
-            pending, self._events = self._events, []
+            region, pending = self._region, self._events
         if region is not None:
-            region.release(pending)
+            region._drop(self, "_region", pending)  # the user and the reference go together, once
+        self._events = []
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The snapshot's tensors as CPU tensors viewing the arena memory (after waiting for the copy).
@@ -128,8 +128,8 @@ class Snapshot:
         so a view never shows another snapshot's bytes. Hold them only as long as needed.
         """
         self.wait()
-        region = self._use()
-        view = region.buffer(owner=_ViewLease(region))
+        lease = self._use()
+        view = lease.buffer(owner=lease)  # the views hold the lease: its user ends with the last of them
         bases: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for spec in self._layout.tensors:
@@ -225,6 +225,23 @@ class Snapshot:
         except Exception:  # interpreter shutdown: the arena may already be gone
             pass
 
+    def __copy__(self) -> "Snapshot":
+        """copy.copy(snapshot): a second handle on the same host copy with a user of the region of its own,
+        so that each is freed (or dropped) on its own; the memory returns once both are (and their views)."""
+        region = self._live()
+        new = Snapshot.__new__(Snapshot)
+        new._region = None  # set before anything else: the copy's finalizer frees only a user of its own
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_region", "_lock", "_events")})
+        new._lock = _fork.new_lock()
+        new._events = self._pending()
+        if not region.acquire(new, "_region"):
+            raise OffloadError("this snapshot was freed; it can no longer be used")
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Snapshot":
+        raise OffloadError("a Snapshot cannot be deep-copied: take another snapshot of the target, or copy its "
+                           "tensors() (copy.copy gives a second handle on the same host copy)")
+
     def __enter__(self) -> "Snapshot":
         return self
 
@@ -235,16 +252,3 @@ class Snapshot:
         state = "freed" if self._region is None else ("done" if all(e.query() for e in self._pending()) else "in flight")
         return (f"Snapshot({self.num_tensors} tensors, {self.num_storages} storages, {self.nbytes} bytes, "
                 f"devices={[str(d) for d in self._layout.devices]}, {state})")
-
-
-class _ViewLease:
-    """One user of a region, held by the buffer under the views that tensors() returns; released when
-    the last of them is gone."""
-
-    __slots__ = ("region",)
-
-    def __init__(self, region: Region) -> None:
-        self.region = region
-
-    def __del__(self) -> None:
-        self.region.release()

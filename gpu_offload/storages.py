@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import torch_ext
 from ._errors import LayoutMismatchError, OffloadError
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -107,12 +108,23 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
         raise OffloadError(f"{name}: device {t.device} is not supported (cpu or cuda)")
     if t.is_quantized:
         raise OffloadError(f"{name}: quantized tensors are not supported")
+    # The storage of a conjugate (or negative) view holds the values before the conjugation: a copy of the
+    # storage would come back as conj(value) through tensors(), files and checkpoints, and a snapshot of
+    # the plain tensor would restore into the view as if the bit were not there.
+    if t.is_conj():
+        raise OffloadError(f"{name}: a conjugate view (is_conj()) is not supported: its storage holds the "
+                           "unconjugated values; pass the tensor it views, or t.resolve_conj() (a copy)")
+    if t.is_neg():
+        raise OffloadError(f"{name}: a negative view (is_neg()) is not supported (e.g. the .imag of a conjugate "
+                           "view): its storage holds the values before negation; pass the tensor it views, "
+                           "or t.resolve_neg() (a copy)")
     if type(t) not in PLAIN_TENSOR_TYPES and not isinstance(t, torch.nn.Parameter):
         # Other tensor subclasses (fake, functional, ...) may have no real storage behind them.
         try:
             t.untyped_storage().data_ptr()
         except Exception as exc:
-            raise OffloadError(f"{name}: {type(t).__qualname__} has no storage to copy ({exc})") from None
+            if not (torch_ext.access_guard_available() and torch_ext.access_refused(t)):  # not an offloaded one
+                raise OffloadError(f"{name}: {type(t).__qualname__} has no storage to copy ({exc})") from None
     return t
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Any, Callable, Iterator
+import dis
+import os
+import sys
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -108,3 +112,94 @@ def inject_failure(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: in
 
     monkeypatch.setattr(owner, name, wrapper)
     return calls
+
+
+
+# -- an interrupt at every point ------------------------------------------------------------------------------
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(go.__file__)) + os.sep
+_CACHE = dis.opmap.get("CACHE", -1)
+_CALLS = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION_EX", "CALL_KW", "CALL_FUNCTION", "CALL_METHOD",
+                                 "CALL_FUNCTION_KW") if n in dis.opmap}
+
+
+last_point: list[str] = []  # where the last interrupt_at raised, for messages
+
+
+class Interrupted(KeyboardInterrupt):
+    """The KeyboardInterrupt that interrupt_at raises (a subclass, so that a test tells it from a real one)."""
+
+
+def _in_a_call(frame: Any) -> bool:
+    """Whether the frame is at a call instruction (the instruction a callee returns to), not at one that calls
+    Python code from C with no check of pending signals after it (a `with` entering, a property read)."""
+    code, i = frame.f_code.co_code, frame.f_lasti
+    while i > 0 and code[i] == _CACHE:  # inline caches after the instruction
+        i -= 2
+    return 0 <= i < len(code) and code[i] in _CALLS
+
+
+def interrupt_at(k: int, fn: Callable[[], Any], where: str = _PACKAGE_DIR) -> bool:
+    """Runs fn() with a KeyboardInterrupt raised at the k-th point of the code in files under `where`
+    (default: gpu_offload's own) where CPython runs signal handlers: on entry to one of its functions, right
+    after a C function it calls returns (the result dropped, as a signal landing there drops it), and right
+    after a function it calls returns to its call instruction. (Not in finalizers or what they call: their
+    exceptions never reach the caller, and what an interrupt there loses is the finalizer's to guard.)
+    Returns True when the interrupt was raised, False when fn finished first. In this thread only.
+    """
+    return _profiled(k, fn, where) >= k
+
+
+def count_points(fn: Callable[[], Any], where: str = _PACKAGE_DIR) -> int:
+    """The points of one uninterrupted run of fn() (see interrupt_at)."""
+    return _profiled(0, fn, where)
+
+
+def _profiled(k: int, fn: Callable[[], Any], where: str) -> int:
+    seen = [0]
+
+    def ours(frame: Any) -> bool:
+        return frame is not None and frame.f_code.co_filename.startswith(where)
+
+    def in_finalizer(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "__del__":
+                return True
+            frame = frame.f_back
+        return False
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "c_return", "return") or in_finalizer(frame):
+            return
+        if event == "return":
+            point = ours(frame.f_back) and _in_a_call(frame.f_back)
+        else:
+            point = ours(frame)
+        if point:
+            seen[0] += 1
+            if seen[0] == k:
+                what = getattr(arg, "__qualname__", "") if event == "c_return" else frame.f_code.co_qualname
+                at = frame.f_back if event == "return" else frame
+                last_point[:] = [f"{event} {what} at {os.path.basename(at.f_code.co_filename)}:{at.f_lineno}"]
+                raise Interrupted(f"interrupt at point {k}")  # the profiler unsets itself on an exception
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    except Interrupted:
+        pass
+    finally:
+        sys.setprofile(None)
+    return seen[0]  # an interrupt raised but not escaped (a weakref callback's is printed and dropped) counts too
+
+
+def every_interrupt(fn: Callable[[], Any], check: Callable[[int], None], where: str = _PACKAGE_DIR) -> int:
+    """Interrupts fn() at each of its points in turn (interrupt_at with k = 1, 2, ...), calling check(k) after
+    each run; returns the number of points. One uninterrupted run first (imports, cached plans), so that
+    every run takes the same path; check() must leave things as they were before the run."""
+    fn()
+    points = count_points(fn, where)
+    check(0)
+    for k in range(1, points + 1):
+        interrupt_at(k, fn, where)
+        check(k)
+    return points

@@ -34,6 +34,8 @@ if dist.is_available():
 
 from conftest import bits
 from cuda_gates import engine_stream, hold, recorded, settle
+import conftest
+from conftest import bits, every_interrupt
 from helpers_dist import batch, build_qwen2, lm_loss, run_ranks
 
 _MIB = 1 << 20
@@ -395,6 +397,16 @@ def test_meta_tensor_is_refused_before_anything_is_written(tmp_path: Path) -> No
     assert (after["used_bytes"], after["capacity_bytes"]) == (before["used_bytes"], before["capacity_bytes"])
 
 
+def test_a_conjugate_view_is_refused_by_name_not_saved_conjugated(tmp_path: Path) -> None:
+    # Its storage holds the unconjugated values: staged as they are, the checkpoint held conj(value).
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    z = torch.complex(torch.randn(4), torch.randn(4))
+    with ArenaStager(arena) as stager:
+        with pytest.raises(go.OffloadError, match=r"ArenaStager.*zc: a conjugate view"):
+            dcp.async_save({"zc": z.conj()}, checkpoint_id=str(tmp_path / "c"), async_stager=stager, no_dist=True)
+    assert _no_files(tmp_path / "c") and arena.used_bytes == 0
+
+
 def test_offloaded_tensors_are_refused(tmp_path: Path) -> None:
     arena = go.Arena(min_slab_bytes=4 * _MIB)
     model = torch.nn.Linear(8, 8)
@@ -439,6 +451,72 @@ def test_failed_write_leaves_the_arena_as_it_was(tmp_path: Path) -> None:
 
 def test_snapshot_state_dict_of_sharded_modules(tmp_path: Path) -> None:
     run_ranks(_sharded_module_rank, 1, str(tmp_path))
+def test_a_failed_writes_staged_memory_is_back_without_waiting_for_the_collector(tmp_path: Path) -> None:
+    # DCP's exception holds a reference cycle (its frames hold it back): with the collector off, as many
+    # trainers run, only the stager can give the space back.
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    sd = {"w": torch.randn(100, 10)}
+    stager = ArenaStager(arena)
+    gc.collect()
+    gc.disable()
+    try:
+        fut = dcp.async_save(sd, storage_writer=FailingWriter(str(tmp_path / "f")), async_stager=stager, no_dist=True)
+        with pytest.raises(BaseException, match="No space left"):
+            fut.result()
+        del fut
+        for thread in threading.enumerate():  # DCP's writer thread ends once the failure is reported
+            if thread.name.startswith("AsyncCheckpointExecutor"):
+                thread.join(30)
+        assert arena.used_bytes > 0  # held by the cycle, the collector being off
+        stager.close()
+        assert arena.used_bytes == 0 and stager.staged_bytes == 0
+    finally:
+        gc.enable()
+
+
+def test_close_racing_a_stage_in_flight_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    stager = ArenaStager(arena, overlap=True)
+
+    def close_meanwhile(self: go.Snapshot) -> bool:
+        stager.close()  # another thread's close(), after the stage passed its own check
+        return False  # a copy still in flight, as on a GPU
+
+    monkeypatch.setattr(go.Snapshot, "done", close_meanwhile)
+    with pytest.raises(go.OffloadError, match="after close"):
+        stager.stage({"x": torch.ones(10)})
+    monkeypatch.undo()
+    assert stager._executor is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpu_offload-stager")]
+    gc.collect()
+    assert arena.used_bytes == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_interrupt_anywhere_in_stage_gives_everything_back(overlap: bool) -> None:
+    arena = go.Arena(min_slab_bytes=4 * _MIB)
+    stager = ArenaStager(arena, overlap=overlap)
+    sd = {"w": torch.randn(64), "nested": {"b": torch.arange(5), "view": torch.arange(9)[2:]}, "step": 3}
+    staged: list[Any] = []
+
+    def check(k: int) -> None:
+        staged.clear()
+        if (stager.staged_bytes, arena.used_bytes) != (0, 0):
+            gc.collect()  # (slow: only where something is still held)
+        assert (stager.staged_bytes, arena.used_bytes) == (0, 0), f"interrupt {k} ({conftest.last_point}) kept a region user"
+
+    points = every_interrupt(lambda: staged.append(stager.stage(sd)), check)
+    assert points > 20
+    staged.append(stager.stage(sd))
+    out = staged[0].result() if overlap else staged[0]
+    _assert_tree_equal(out, sd, "the uninterrupted stage")
+    del out
+    check(points + 1)
+    stager.close()
+
+
+def test_snapshot_state_dict_refuses_a_sharded_module_snapshot() -> None:
+    run_ranks(_sharded_module_rank, 1)
 
 
 def _sharded_module_rank(rank: int, world_size: int, directory: str) -> None:

@@ -326,7 +326,8 @@ BAD_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "no command": ((), {}, "required"),
     "unknown option": (("bench", "--frob", *FAST), {}, "unrecognized arguments: --frob"),
     "info bad pin mode": (("info",), {"GPU_OFFLOAD_PIN": "bogus"}, "pin must be one of auto, none, hostalloc"),
-    "info zero cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "0"}, "max_bytes must be a positive int"),
+    "info zero cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "0"}, "GPU_OFFLOAD_ARENA_MAX_BYTES='0' must be positive"),
+    "info fractional cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "0.5"}, "GPU_OFFLOAD_NODE_MAX_BYTES"),
     "info bad slab size": (("info",), {"GPU_OFFLOAD_MIN_SLAB_BYTES": "lots"}, "not a number of bytes"),
     "info infinite cap": (("info",), {"GPU_OFFLOAD_ARENA_MAX_BYTES": "inf"}, "not a finite number of bytes"),
 }

@@ -232,3 +232,78 @@ def test_byte_counts_in_the_environment_that_are_not_finite_are_clear_errors(mon
     with pytest.raises(go.OffloadError, match=f"{name}={value!r} is not a"):
         go.snapshot({"a": torch.ones(3)})
     plan.clear_cache()
+
+
+def _default_arena_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> go.Arena:
+    from gpu_offload import arena as arena_module
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(arena_module, "_default_arena", None)  # read the environment afresh
+    return go.default_arena()
+
+
+@pytest.mark.parametrize("value", ["0.5", "1.5", ".25", "0.999"])
+def test_a_fraction_for_the_arena_cap_is_refused_naming_the_variable(monkeypatch, value):
+    # 0.5 was read as 0 ("got 0", no variable named) and 1.5 as a cap of one byte.
+    with pytest.raises(go.OffloadError, match=f"GPU_OFFLOAD_ARENA_MAX_BYTES={value!r} is not a whole number of "
+                                              "bytes.*GPU_OFFLOAD_NODE_MAX_BYTES"):
+        _default_arena_from(monkeypatch, GPU_OFFLOAD_ARENA_MAX_BYTES=value)
+
+
+@pytest.mark.parametrize("name, value", [("GPU_OFFLOAD_ARENA_MAX_BYTES", "0"), ("GPU_OFFLOAD_MIN_SLAB_BYTES", "0"),
+                                         ("GPU_OFFLOAD_MIN_SLAB_BYTES", "1.5"), ("GPU_OFFLOAD_MIN_SLAB_BYTES", "0.5KiB7")])
+def test_other_arena_sizes_that_are_no_positive_whole_bytes_are_refused_naming_the_variable(monkeypatch, name, value):
+    with pytest.raises(go.OffloadError, match=f"{name}={value!r}"):
+        _default_arena_from(monkeypatch, **{name: value})
+
+
+@pytest.mark.parametrize("value, expected", [("1.5GiB", 3 << 29), ("1.3GB", 1_300_000_000), ("8e9", 8_000_000_000),
+                                             ("0.5KiB", 512), ("2.5e3", 2500)])
+def test_decimal_sizes_that_are_whole_bytes_are_read_exactly(value, expected):
+    from gpu_offload._bytes import parse_bytes
+
+    assert parse_bytes(value, "X") == expected
+
+
+@pytest.mark.parametrize("size", [2**63, 2**64 - 1, 2**64, 2**80])
+def test_sizes_past_int64_are_refused_with_the_size(arena, size):
+    # 2**64 - 1 wrapped to a tiny allocation in the core; 2**64 was a TypeError from the binding.
+    with pytest.raises(go.OffloadError, match=str(size)):
+        arena.reserve(size)
+    with pytest.raises(go.OffloadError, match=str(size)):
+        go.Arena(max_bytes=size)
+    with pytest.raises(go.OffloadError, match=str(size)):
+        go.Arena(min_slab_bytes=size)
+    assert arena.capacity_bytes == 0 and arena.used_bytes == 0
+
+
+def _conj_and_neg_views() -> dict[str, torch.Tensor]:
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    return {"conj": z.conj(), "neg": z.conj().imag}
+
+
+@pytest.mark.parametrize("kind, bit", [("conj", "is_conj"), ("neg", "is_neg")])
+def test_conjugate_and_negative_views_are_refused_by_name(arena, kind, bit):
+    # Their storages hold the values before the bit: copied as they are, tensors(), files and DCP checkpoints
+    # held conj(value), and a plain snapshot restored into such a view as if the bit were not there.
+    view = _conj_and_neg_views()[kind]
+    for op in (go.snapshot, go.offload):
+        with pytest.raises(go.OffloadError, match=rf"x: a .* view \({bit}\(\)\)"):
+            op({"ok": torch.ones(2), "x": view}, arena=arena)
+    plain = {"ok": torch.ones(2), "x": view.resolve_conj().resolve_neg() * 0}
+    with go.snapshot(plain, arena=arena) as snap:
+        with pytest.raises(go.OffloadError, match=rf"x: a .* view \({bit}\(\)\)"):
+            go.restore({"ok": torch.ones(2), "x": view}, snap)
+    assert arena.used_bytes == 0 and go.offloaded_bytes() == 0
+
+
+def test_a_cached_plan_sees_a_tensor_become_a_conjugate_view(arena):
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    state = {"z": z}
+    for _ in range(3):  # cached, and its views checked at a hit
+        go.snapshot(state, arena=arena).free()
+    z.data = z.data.conj()  # same tensor, address, storage, shape, stride and dtype
+    with pytest.raises(go.OffloadError, match=r"z: a conjugate view"):
+        go.snapshot(state, arena=arena)
+    assert arena.used_bytes == 0

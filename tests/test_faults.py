@@ -3,10 +3,12 @@ reload, pinning more than the machine can spare, and threads working on differen
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,11 @@ import torch
 
 import gpu_offload as go
 from conftest import assert_bitwise_equal, inject_failure, node_budget, random_tensor
+import conftest
+from conftest import assert_bitwise_equal, every_interrupt, inject_failure, random_tensor
 from gpu_offload import integrity as _integrity
 from gpu_offload import plan as _plan
+from gpu_offload import registry as _registry
 from gpu_offload._ext import _C
 
 _BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -260,3 +265,99 @@ def test_two_threads_on_different_models_stay_bitwise_right(device):
     for i in range(2):
         assert report[f"thread{i}"]["restores"] >= 4 and report[f"thread{i}"]["offloads"] >= 2, report
     assert report["arena_used_bytes_after"] == 0 and report["offloaded_bytes_after"] == 0
+
+
+# -- locks: an interrupt anywhere, and fork -------------------------------------------------------------------
+def _free_for_another_thread(lock: Any) -> bool:
+    taken: list[bool] = []
+
+    def take() -> None:
+        if lock.acquire(timeout=10):
+            taken.append(True)
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return taken == [True]
+
+
+def _take_registry_lock() -> None:
+    with _registry.lock:
+        pass
+
+
+def test_an_interrupt_anywhere_in_taking_or_leaving_the_registry_lock_leaves_it_free(arena):
+    # A storage that died while offloaded: taking the lock first drops its entry (prune).
+    def dead_entry() -> None:
+        go.offload({"x": torch.ones(64)}, arena=arena)
+
+    def check(k: int) -> None:
+        assert _free_for_another_thread(_registry.lock), f"interrupt {k} ({conftest.last_point}) left the lock held"
+        dead_entry()
+
+    dead_entry()
+    points = every_interrupt(_take_registry_lock, check)
+    assert points >= 3  # entering, the acquisition's return, the prune
+    gc.collect()
+    _take_registry_lock()
+    assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
+
+
+_FORK_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading, torch, gpu_offload as go
+    from gpu_offload import arena as _arena, overlap as _overlap, plan as _plan, registry as _registry
+
+    arena = go.Arena(pin="none", min_slab_bytes=1 << 20)
+    snap = go.snapshot({"x": torch.arange(16.0)}, arena=arena)
+    go.default_arena()
+    locks = [_registry.lock, arena._lock, _arena._default_lock, _overlap._lock, _plan._cache_lock, snap._lock]
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        for lock in locks:
+            lock.__enter__()
+        held.set()
+        done.wait()
+        for lock in reversed(locks):
+            lock.__exit__(None, None, None)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(60)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            state = {"w": torch.arange(32.0)}
+            again = go.snapshot(state, arena=arena)
+            go.restore(state, snap if False else again)
+            go.offload(state, arena=arena)
+            assert go.is_offloaded(state)
+            go.reload(state)
+            assert torch.equal(state["w"], torch.arange(32.0))
+            assert torch.equal(snap.tensors()["x"], torch.arange(16.0))
+            go.snapshot(state).free()  # the default arena
+            os._exit(0)
+        except BaseException as exc:
+            print("child:", repr(exc), file=sys.stderr, flush=True)
+            os._exit(3)
+    for _ in range(600):  # a child blocked on a lock still held is killed after a minute
+        waited, status = os.waitpid(pid, os.WNOHANG)
+        if waited:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        print("child blocked")
+        status = -1
+    done.set()
+    thread.join()
+    print("child status", status)
+    sys.exit(0 if status == 0 else 1)
+""")
+
+
+def test_a_forked_child_is_not_blocked_by_locks_another_thread_held_at_the_fork():
+    out = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout, out.stderr)

@@ -3,6 +3,7 @@ while offloaded, and the races and interrupts of the adversarial review (issue 1
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import subprocess
@@ -170,6 +171,33 @@ def test_views_after_free_and_trim_do_not_crash():
     """)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
+
+
+def test_a_shallow_copy_of_a_snapshot_has_a_user_of_its_own(device, arena):
+    state = {"w": torch.arange(4096.0, device=device), "b": torch.arange(7, device=device)}
+    snap = go.snapshot(state, arena=arena).wait()
+    twin = copy.copy(snap)
+    snap.free()  # the twin still holds the host copy: the space is not reused under it
+    other = go.snapshot({"w": torch.full((4096,), -1.0, device=device)}, arena=arena).wait()
+    assert arena.used_bytes >= twin.layout.host_bytes + other.layout.host_bytes
+    for name, t in twin.tensors().items():
+        assert_bitwise_equal(t, state[name])
+    del t  # a view holds the memory too
+    with pytest.raises(go.OffloadError, match="freed"):
+        snap.tensors()
+    copy.copy(twin).free()  # a copy freed at once takes nothing from the twin
+    twin.tensors()
+    twin.free()
+    other.free()
+    _settle(device)
+    assert arena.used_bytes == 0
+    with pytest.raises(go.OffloadError, match="freed"):
+        copy.copy(twin)
+    with pytest.raises(go.OffloadError, match="deep-copied"):
+        copy.deepcopy(go.snapshot(state, arena=arena))
+    gc.collect()
+    _settle(device)
+    assert arena.used_bytes == 0
 
 # -- using an offloaded module ---------------------------------------------------------------------------
 def test_calling_an_offloaded_module_names_it_and_says_to_reload(device, arena):

@@ -3,6 +3,7 @@ errors for truncated, corrupt, foreign and missing files."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, bits, random_tensor
+import conftest
+from conftest import assert_bitwise_equal, bits, every_interrupt, random_tensor
 from gpu_offload import persist
 
 
@@ -178,7 +180,7 @@ def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, arena):
     path = tmp_path / "x.snap"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"x.snap.tmp-{dead.pid}-0"
+    stale = tmp_path / f"x.snap.tmp-{dead.pid}-0-5ca1ab1e"
     stale.write_bytes(b"partial")
     _age(stale)
     # A writer in another PID namespace (a container sharing the filesystem): its PID means nothing here,
@@ -189,7 +191,7 @@ def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, arena):
     held = os.open(foreign, os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)
     # Just created, not locked yet (a writer between its open and its flock): too young to judge.
-    young = tmp_path / f"x.snap.tmp-{dead.pid}-2"
+    young = tmp_path / f"x.snap.tmp-{dead.pid}-2-0123abcd"
     young.write_bytes(b"partial")
     try:
         go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
@@ -638,3 +640,109 @@ def test_load_of_a_fifo_or_a_directory_is_refused_without_waiting(tmp_path, aren
     os.mkfifo(fifo)
     _assert_refused(fifo, arena, "not a regular file")
     _assert_refused(tmp_path, arena, "not a regular file")
+
+
+# -- nothing lost: interrupts, users' files, modes, the arena ---------------------------------------------------
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_an_interrupt_anywhere_in_a_save_leaks_no_descriptor_and_leaves_the_file_whole(tmp_path, arena, monkeypatch):
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # thousands of saves: the syncs are not what is tested
+    path = tmp_path / "x.snap"
+    snap = go.snapshot({"a": torch.arange(100.0), "b": torch.arange(7)}, arena=arena, checksum=True)
+    go.save(snap, path)
+    good, fds, users = path.read_bytes(), _open_fds(), snap._region._users
+
+    def check(k: int) -> None:
+        where = f"interrupt {k} ({conftest.last_point})"
+        assert _open_fds() == fds, f"{where} leaked a file descriptor"
+        assert sorted(os.listdir(tmp_path)) == ["x.snap"], f"{where} left a temporary"
+        assert path.read_bytes() == good, f"{where}: the file is not whole"
+        assert snap._region._users == users, f"{where} kept a user of the snapshot's region"
+
+    assert every_interrupt(lambda: go.save(snap, path), check) > 50
+    snap.free()
+    assert arena.used_bytes == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_an_interrupt_anywhere_in_a_load_leaks_no_descriptor_and_no_memory(saved, arena):
+    path, state = saved
+    fds, used = _open_fds(), arena.used_bytes
+
+    def check(k: int) -> None:
+        where = f"interrupt {k} ({conftest.last_point})"
+        if (_open_fds(), arena.used_bytes) != (fds, used):
+            gc.collect()  # (slow: only where something is still held)
+        assert _open_fds() == fds, f"{where} leaked a file descriptor"
+        assert arena.used_bytes == used, f"{where} kept arena memory"
+
+    assert every_interrupt(lambda: go.load(path, arena=arena).free(), check) > 50
+    with go.load(path, arena=arena) as snap:
+        for name, t in snap.tensors().items():
+            assert_bitwise_equal(t, state[name])
+
+
+def test_a_save_never_removes_a_users_file_named_like_a_temporary(tmp_path, arena):
+    path = tmp_path / "policy"
+    users = [tmp_path / n for n in ("policy.tmp-2024-06", "policy.tmp-1-2", "policy.tmp-12-3-abc", "policy.tmp-0-1-deadbeef",
+                                    "policy.tmp-12-3-deadbeef.bak")]
+    for f in users:
+        f.write_bytes(b"the user's own")
+        _age(f)
+    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
+    assert all(f.read_bytes() == b"the user's own" for f in users)
+    leftover = tmp_path / "policy.tmp-12-3-deadbeef"  # a name save() makes: removed once stale and unlocked
+    leftover.write_bytes(b"partial")
+    _age(leftover)
+    go.save(go.snapshot({"a": torch.zeros(3)}, arena=arena), path)
+    assert not leftover.exists() and all(f.exists() for f in users)
+
+
+def test_saving_over_a_file_keeps_its_mode_and_a_new_file_honours_the_umask(tmp_path, arena):
+    path = tmp_path / "x.snap"
+    snap = go.snapshot({"a": torch.zeros(3)}, arena=arena)
+    old = os.umask(0o077)
+    try:
+        go.save(snap, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # 0666 less the umask, as open() makes it
+        os.umask(0o022)
+        go.save(snap, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600  # the checkpoint it replaced was private: still
+        path.chmod(0o640)
+        go.save(snap, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+        fresh = tmp_path / "y.snap"
+        go.save(snap, fresh)
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+    finally:
+        os.umask(old)
+
+
+def test_a_refused_load_gives_back_only_the_slab_it_pinned(tmp_path):
+    path = tmp_path / "big.snap"
+    with go.snapshot({"w": torch.arange(3 << 18, dtype=torch.float32)}, arena=go.Arena(pin="none")) as snap:
+        go.save(snap, path)  # 3 MiB: more than the slab reserved below
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    arena = go.Arena(min_slab_bytes=1 << 20)
+    arena.reserve(1 << 20)  # pinned ahead by the user: an empty slab the load cannot use
+    reserved = arena.capacity_bytes
+    with pytest.raises(go.OffloadError, match="data corrupt"):
+        go.load(path, arena=arena)
+    assert (arena.capacity_bytes, arena.used_bytes) == (reserved, 0)
+
+
+def test_a_lone_surrogate_in_the_layout_is_an_offload_error(saved, tmp_path, arena):
+    path, _ = saved
+    raw = path.read_bytes()
+    begin, end = _header_span(raw)
+    header = json.loads(raw[begin:end])
+    header["__metadata__"]["layout"] += "\ud800"  # valid JSON (an escape), but no UTF-8 text
+    text = json.dumps(header).encode()
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
+    _assert_refused(bad, arena, "not valid text")

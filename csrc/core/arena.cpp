@@ -1,5 +1,6 @@
 #include "arena.hpp"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <new>
 #include <sstream>
 
 #include "cuda_backend.hpp"
@@ -28,7 +30,11 @@ namespace {
 
 constexpr std::size_t kHugePage = 2u << 20;
 
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+// Sizes past 2**63-1 (what torch's int64 sizes hold) are refused here, before any rounding could wrap them.
+std::size_t round_up(std::size_t n, std::size_t to) {
+  GO_CHECK(n <= (std::size_t{1} << 63) - 1, "a size of " + std::to_string(n) + " bytes is past 2**63-1 bytes");
+  return (n + to - 1) / to * to;
+}
 
 std::string human(std::size_t bytes) {
   char buf[64];
@@ -314,13 +320,34 @@ HostMemoryStats process_host_memory() {
   return p.stats;
 }
 
+// Every live arena, for a forked child: fork() copies only the calling thread, so a mutex another thread held
+// at that moment (one pinning a slab, for seconds) would stay held in the child forever. The child handler
+// re-initialises them unheld. Never destroyed (a static destructor at exit would race threads still running).
+namespace {
+std::mutex* g_live_mutex = new std::mutex;
+std::set<HostArena*>* g_live = new std::set<HostArena*>;
+std::once_flag g_atfork_once;
+}  // namespace
+
+void HostArena::after_fork_in_child() {
+  new (g_live_mutex) std::mutex;
+  for (HostArena* arena : *g_live) new (&arena->mutex_) std::mutex;
+}
+
 HostArena::HostArena(std::size_t max_bytes, std::size_t min_slab_bytes, PinMode mode)
     : max_bytes_(max_bytes), min_slab_bytes_(round_up(std::max<std::size_t>(min_slab_bytes, 1), 4096)), mode_(mode) {
   // Every copy goes through an arena: a bad GPU_OFFLOAD_NUM_THREADS is refused here, before any byte moves.
   ThreadPool::instance();
+  std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, &HostArena::after_fork_in_child); });
+  std::lock_guard<std::mutex> lock(*g_live_mutex);
+  g_live->insert(this);
 }
 
 HostArena::~HostArena() {
+  {
+    std::lock_guard<std::mutex> lock(*g_live_mutex);
+    g_live->erase(this);
+  }
   for (auto& [id, slab] : slabs_) {
     try {
       release_slab(slab);
@@ -646,11 +673,11 @@ void HostArena::reserve(std::size_t num_bytes, int numa_node) {
   free(ptr);
 }
 
-std::size_t HostArena::trim() {
+std::size_t HostArena::trim(std::uint64_t first_slab) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t before = capacity_bytes_;
   std::string failure;
-  for (auto it = slabs_.begin(); it != slabs_.end();) {
+  for (auto it = slabs_.lower_bound(first_slab); it != slabs_.end();) {
     if (it->second.used != 0) {
       ++it;
       continue;

@@ -73,8 +73,9 @@ class HostArena {
   void reserve(std::size_t num_bytes, int numa_node = kAnyNode);
   // Releases slabs with nothing allocated in them; returns the bytes released. A slab the system refuses
   // to take back (cudaHostUnregister or cudaFreeHost failing) stays in the arena, usable, and trim throws
-  // after releasing the others, saying so.
-  std::size_t trim();
+  // after releasing the others, saying so. With first_slab, only slabs created after stats() reported
+  // num_slab_allocations == first_slab (slabs are numbered in creation order): what one call added.
+  std::size_t trim(std::uint64_t first_slab = 0);
   // The region's size as handed out (after rounding); throws when ptr is not a live region.
   std::size_t region_bytes(std::uintptr_t ptr) const;
 
@@ -117,6 +118,8 @@ class HostArena {
   void insert_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
   void erase_free(std::uint64_t slab_id, std::size_t offset, std::size_t size);
   PinMode resolve_mode();
+  // pthread_atfork child handler: every live arena's mutex unheld again (see arena.cpp).
+  static void after_fork_in_child();
 
   mutable std::mutex mutex_;
   std::size_t max_bytes_;

@@ -1,8 +1,10 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -382,6 +384,61 @@ TEST_CASE(process_host_memory_counts_every_arena) {
     CHECK(by_node == during.pageable_bytes + during.pinned_bytes);
   }
   CHECK(gpu_offload::process_host_memory().pageable_bytes == before.pageable_bytes);
+}
+
+namespace {
+HostArena* g_forking_arena = nullptr;
+int g_fork_child_status = -1;
+
+// Runs inside trim(), with the arena's mutex held: forks, and the child uses the arena.
+void fork_while_locked(std::uintptr_t, std::size_t) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(30);  // a mutex still held would block the child forever
+    const auto s = g_forking_arena->stats();
+    const auto p = g_forking_arena->allocate(4096);
+    g_forking_arena->free(p);
+    _exit(s.num_slabs == 1 ? 0 : 2);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  g_fork_child_status = status;
+}
+}  // namespace
+
+TEST_CASE(a_forked_child_can_use_an_arena_whose_mutex_another_thread_held) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  arena.free(arena.allocate(kMiB));
+  g_forking_arena = &arena;
+  gpu_offload::testing::before_slab_release = fork_while_locked;
+  arena.trim();
+  gpu_offload::testing::before_slab_release = nullptr;
+  CHECK(WIFEXITED(g_fork_child_status) && WEXITSTATUS(g_fork_child_status) == 0);
+  CHECK(arena.stats().capacity_bytes == 0);
+}
+
+TEST_CASE(trim_since_gives_back_only_the_slabs_made_after) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  arena.reserve(kMiB);  // slab 0: pinned ahead, empty, to be kept
+  const auto kept = arena.stats().capacity_bytes;
+  const auto first = arena.stats().num_slab_allocations;
+  arena.free(arena.allocate(3 * kMiB));  // slab 1: made for one request, empty again
+  auto s = arena.stats();
+  CHECK(s.num_slabs == 2);
+  const std::size_t made = s.capacity_bytes - kept;
+  CHECK(made >= 3 * kMiB);
+  CHECK(arena.trim(first) == made);
+  s = arena.stats();
+  CHECK(s.num_slabs == 1 && s.capacity_bytes == kept);
+  CHECK(arena.trim() == kept);
+}
+
+TEST_CASE(sizes_past_int64_are_refused_before_rounding_can_wrap_them) {
+  HostArena arena(0, 2 * kMiB, PinMode::kNone);
+  CHECK_THROWS(arena.allocate(SIZE_MAX));  // rounded up, it used to wrap to a one-block region
+  CHECK_THROWS(arena.reserve(SIZE_MAX - 4095));
+  CHECK_THROWS(arena.allocate(std::size_t{1} << 63));
+  CHECK(arena.stats().capacity_bytes == 0);
 }
 
 int main() { return check::run_all(); }

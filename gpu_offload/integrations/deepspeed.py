@@ -108,9 +108,14 @@ def offload_states(engine: Any, include: Optional[Container[Any]] = None, device
     cats = _ds.deepspeed_state(engine, include_grads="lp_grads" in chosen, reshard="lp_params" in chosen)
     named = {name: t for c in _ds.CATEGORIES if c in chosen for name, t in cats[c]}
     # Only storages that hold memory (a released ZeRO-3 gathered copy, an unused grad list entry, ...).
-    named = {n: t for n, t in named.items() if unwrap(t).untyped_storage().nbytes() > 0}
+    with _registry.lock:
+        named = {n: t for n, t in named.items()
+                 if unwrap(t).untyped_storage().nbytes() > 0 and _registry.storage_key(t) not in _registry.entries}
     if named:
         api.offload(named, include_grads=False, arena=arena)
+        # Using the engine (a forward, step()) raises OffloadError until reload_states, as after offload(engine).
+        with _registry.lock:
+            _registry.guard(engine, [_registry.storage_key(t) for t in named.values()])
     if "contiguous_grad_buffer" in chosen:
         released = _released_buckets.setdefault(engine, [])
         for buf in _buckets(engine):

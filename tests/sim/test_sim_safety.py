@@ -9,7 +9,6 @@ the test needs; copies held that long show any missing wait as wrong bytes.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
