@@ -32,3 +32,16 @@ def parse_bytes(text: str, what: str = "value") -> int:
     if not math.isfinite(value) or value > MAX_BYTES:
         raise OffloadError(finite_message)
     return int(value)
+
+
+def format_bytes(n: int) -> str:
+    """A byte count for people, in powers of 1024 with three significant digits: 512 B, 1.2 KiB, 256 MiB,
+    3.31 GiB (units that parse_bytes reads back)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -130,6 +131,8 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     snap = Snapshot(layout, region, events, sums, include_grads=include_grads)
     snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
+    if isinstance(target, torch.nn.Module):  # for save_state_dict: which names its state_dict() has
+        snap._source = weakref.ref(target)
     return snap
 
 

@@ -7,8 +7,9 @@ import ctypes
 import logging
 import os
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
+from . import _env
 from ._bytes import parse_bytes
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
@@ -18,6 +19,12 @@ logger = logging.getLogger("gpu_offload")
 _MIB = 1 << 20
 _DEFAULT_MIN_SLAB_BYTES = 256 * _MIB
 _PIN_MODES = ("auto", "none", "hostalloc", "register")
+
+
+def _size(value: Any, what: str) -> Any:
+    """A byte count given as a string ("1GiB", "512 MiB", "8e9": the units the environment variables
+    accept) as an int; anything else as it is, for the caller's own checks."""
+    return parse_bytes(value, what) if isinstance(value, str) else value
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -106,15 +113,19 @@ class Arena:
     the first cycle a training loop pins nothing more. Regions are best-fit with coalescing.
 
     Args:
-        max_bytes: hard cap on the pinned bytes; a request past it raises OffloadError. None: no cap
-            (pinning beyond the machine's available memory is still refused).
-        min_slab_bytes: smallest slab pinned at a time (default 256 MiB); a larger request gets a slab of
-            its own size, rounded to 2 MiB.
+        max_bytes: hard cap on the pinned bytes, an int or a string with a unit ("8GiB", "512MiB", "2GB");
+            a request past it raises OffloadError. None: no cap (pinning beyond the machine's available
+            memory is still refused).
+        min_slab_bytes: smallest slab pinned at a time (default 256 MiB; an int or a string with a unit);
+            a larger request gets a slab of its own size, rounded to 2 MiB.
         pin: "auto" (page-locked when CUDA is available), "none", "hostalloc" (cudaHostAlloc) or
             "register" (parallel first touch, then cudaHostRegister; the fastest way to pin).
     """
 
-    def __init__(self, max_bytes: Optional[int] = None, *, min_slab_bytes: Optional[int] = None, pin: str = "auto") -> None:
+    def __init__(self, max_bytes: Union[int, str, None] = None, *, min_slab_bytes: Union[int, str, None] = None,
+                 pin: str = "auto") -> None:
+        max_bytes = _size(max_bytes, "max_bytes")
+        min_slab_bytes = _size(min_slab_bytes, "min_slab_bytes")
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise OffloadError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
         if min_slab_bytes is None:
@@ -152,8 +163,10 @@ class Arena:
         """How slabs are pinned: auto (not decided yet), none, hostalloc or register."""
         return str(self._impl.pin_mode)
 
-    def reserve(self, num_bytes: int) -> None:
-        """Pins ahead so that a region of `num_bytes` can later be handed out without pinning."""
+    def reserve(self, num_bytes: Union[int, str]) -> None:
+        """Pins ahead so that a region of `num_bytes` (an int, or a string with a unit: "8GiB") can later be
+        handed out without pinning."""
+        num_bytes = _size(num_bytes, "num_bytes")
         if not isinstance(num_bytes, int) or num_bytes < 0:
             raise OffloadError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
         if num_bytes:
@@ -166,11 +179,17 @@ class Arena:
         return int(self._impl.trim())
 
     def stats(self) -> dict[str, Any]:
-        """Capacity, use, slab count, free blocks, slabs ever pinned and seconds spent pinning."""
+        """Capacity, use, slab count, free blocks, slabs ever pinned and seconds spent pinning; `max_bytes` is
+        None for an arena without a cap."""
         self._reap(block=False)
         stats = dict(self._impl.stats())
+        stats["max_bytes"] = stats["max_bytes"] or None
         stats["pin_mode"] = self.pin_mode
         return stats
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a gpu_offload.Arena cannot be pickled: it is this process's pinned host memory; "
+                        "make a new Arena in the other process")
 
     def __repr__(self) -> str:
         s = self._impl.stats()
@@ -250,4 +269,6 @@ def default_arena() -> Arena:
                 pin=os.environ.get("GPU_OFFLOAD_PIN", "auto"),
             )
             logger.debug("default arena created: %r", _default_arena)
+            for line in _env.describe_unknown():  # a typo (GPU_OFFLOAD_MAX_BYTES) is otherwise ignored unseen
+                logger.warning("%s", line)
         return _default_arena
