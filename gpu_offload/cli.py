@@ -415,31 +415,31 @@ def figure(results: list, meta: Optional[dict] = None) -> Any:
     same run, on a linear axis from 0 (a bar's length is its ratio; the limit is the line at 1.0), each bar
     labelled with its value; gpu_offload in blues, the per-tensor baselines in oranges, each method with its
     own shade and hatching; whiskers span the slowest and the fastest repeat. The legend lists the methods
-    in the order of the bars."""
+    in the order of the bars. The limit measured again after the engine's rows is no bar (a ratio to the
+    limit itself, which would set the axis when the machine's speed moved): its GB/s are under the layout,
+    beside the first limit's, marked `!` where bench.limit_drift flags them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from . import bench
 
     meta = meta or {}
     methods: list[tuple[str, str, str]] = []  # (method, direction, kind), in order of first appearance
     for res in results:
         for r in res.rows:
             key = (r.method, r.direction, r.kind)
-            if r.ratio is not None and key not in methods:
+            if r.ratio is not None and r.kind != "limit" and key not in methods:
                 methods.append(key)
-    order = ([m for m in methods if m[2] == "engine"] + [m for m in methods if m[2] == "baseline"]
-             + [m for m in methods if m[2] == "limit"])
+    order = [m for m in methods if m[2] == "engine"] + [m for m in methods if m[2] == "baseline"]
     style: dict[tuple[str, str, str], tuple[str, str]] = {}
-    counts = {"engine": 0, "baseline": 0, "limit": 0}
+    counts = {"engine": 0, "baseline": 0}
     for key in order:
         i = counts[key[2]]
         counts[key[2]] += 1
-        if key[2] == "limit":  # the limit measured again: its ratio is to the first measurement
-            style[key] = ("0.6", _HATCHES[i % len(_HATCHES)])
-        else:
-            palette = _ENGINE_COLORS if key[2] == "engine" else _BASELINE_COLORS
-            style[key] = (palette[i % len(palette)], _HATCHES[i % len(_HATCHES)])
+        palette = _ENGINE_COLORS if key[2] == "engine" else _BASELINE_COLORS
+        style[key] = (palette[i % len(palette)], _HATCHES[i % len(_HATCHES)])
 
     # Constrained layout keeps the legend beside the axes inside the 1400 x 800 px figure.
     fig, ax = plt.subplots(figsize=(14, 8), dpi=100, layout="constrained")
@@ -460,8 +460,9 @@ def figure(results: list, meta: Optional[dict] = None) -> Any:
             handles.setdefault(key, bar)
             ax.errorbar(x, r.ratio, yerr=[[r.ratio - lo], [hi - r.ratio]], fmt="none", ecolor="black",
                         elinewidth=0.9, capsize=2)
-            ax.annotate(f"{r.ratio:.2g}" if r.ratio < 100 else f"{r.ratio:.0f}", (x, hi), xytext=(0, 2), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=7, rotation=90 if len(order) > 6 else 0)
+            ax.annotate(f"{r.ratio:.3g}" if r.ratio < 100 else f"{r.ratio:.0f}", (x, hi), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7,
+                        rotation=90 if len(order) > 6 else 0)
             top = max(top, hi)
     line = ax.axhline(1.0, color="black", linestyle="--", linewidth=1.4)
     ax.set_ylim(0, top * 1.15)
@@ -471,8 +472,12 @@ def figure(results: list, meta: Optional[dict] = None) -> Any:
     for res in results:
         lim = res.info.get("limits_gbps", {})
         parts = [f"{d} {_gb(lim[d])}" for d in ("d2h", "h2d", "both") if d in lim]
-        labels.append(f"{res.layout}\n{res.num_tensors} tensors\n{res.nbytes / 1e9:.2f} GB"
-                      + (f" (1/{res.scale})" if res.scale > 1 else "") + f"\nlimit GB/s:\n{', '.join(parts)}")
+        moved = {d["direction"] for d in bench.limit_drift(res)}
+        again = [f"{r.direction} {_gb(r.gbps)}" + (" !" if r.direction in moved else "")
+                 for r in res.rows if r.method == "limit again"]
+        labels.append(f"{res.layout}\n{res.num_tensors} tensors\n{res.nbytes / 1e9:.3g} GB"
+                      + (f" (1/{res.scale})" if res.scale > 1 else "") + f"\nlimit GB/s:\n{', '.join(parts)}"
+                      + (f"\nagain after the engine:\n{', '.join(again)}" if again else ""))
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels(labels, fontsize=10)
     ax.set_xlim(-0.5, len(results) - 0.5)

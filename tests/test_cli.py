@@ -319,6 +319,9 @@ def test_the_plot_reads_linearly_in_order_with_its_version() -> None:
     rows += [_row(m, d, 1.0 + i, ratio=(1.0 + i) / 3) for i, (m, d) in enumerate(
         [("go.snapshot+wait", "d2h"), ("go.restore", "h2d"), ("go.offload", "d2h"), ("go.reload", "h2d"),
          ("p.cpu().clone()", "d2h"), (bench.COPY_TO, "d2h"), (bench.COPY_FROM, "h2d")])]
+    # The limit again, 80x the first in d2h: under the layout (flagged), not a bar that would set the axis.
+    rows.insert(6, _row("limit again", "d2h", 240.0, ratio=80.0))
+    rows.insert(7, _row("limit again", "h2d", 3.0, ratio=1.0))
     res = _result(rows)
     res.info["limits_gbps"] = {"d2h": 3.0, "h2d": 3.0}
     fig = cli.figure([res], {"package_version": go.__version__, "commit": "abc123", "timestamp": "2026-12-01T00:00"})
@@ -336,6 +339,9 @@ def test_the_plot_reads_linearly_in_order_with_its_version() -> None:
         assert f"gpu_offload {go.__version__} (commit abc123)" in ax.get_title()
         heights = [p.get_height() for p in bars]
         assert heights == pytest.approx([(1.0 + i) / 3 for i in range(7)])
+        assert ax.get_ylim()[1] < 3, "the limit again is no bar"
+        label = ax.get_xticklabels()[0].get_text()
+        assert label.endswith("limit GB/s:\nd2h 3, h2d 3\nagain after the engine:\nd2h 240 !, h2d 3"), label
     finally:
         plt.close(fig)
     fig = cli.figure([res], {"package_version": go.__version__, "commit": None})
