@@ -379,7 +379,7 @@ def save_state_dict(snap: Snapshot, path: PathLike, metadata: Optional[dict[str,
             for name in keep:
                 v = values[name]
                 if v.numel():
-                    yield memoryview(v.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                    yield v.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the bytes
 
         start = time.perf_counter()
         _write_atomically(path, len(text).to_bytes(8, "little") + text, pieces(), offset)
