@@ -167,7 +167,11 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         env.update(PYTHONPATH=str(stubs), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                    # DeepSpeed's ops build where tests/test_deepspeed.py builds them (compiled once, then reused).
-                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions")))
+                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions")),
+                   # Two snippets at once, each with torch's default of one intra-op thread per core, oversubscribe
+                   # a 2-core machine, where an OpenMP region waiting for a busy core can run 100x slower (and a
+                   # DeepSpeed snippet that takes 30 s alone once ran past the timeout). One thread each.
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         args = [sys.executable, "-c", PREAMBLE + "\n" + code]
         try:
             proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
