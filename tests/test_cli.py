@@ -465,10 +465,11 @@ def test_unknown_variables_are_flagged(workdir: Path) -> None:
 
 
 # Where the package, its build and its tests read environment variables: os.environ / getenv with a quoted
-# name, _env_int("..."), C's getenv("...") in the sources; assignments in the Makefile and the shell scripts.
-_ENV_READS = re.compile(r"""(?:environ(?:\.get|\.pop|\.setdefault)?\(?\[?|getenv\(|_env_int\()\s*["']"""
+# name, _env_int("..."), C's getenv("...") and a C++ env("...") helper in the sources; assignments and
+# expansions ($NAME, ${NAME:-default}) in the Makefile and the shell scripts.
+_ENV_READS = re.compile(r"""(?:environ(?:\.get|\.pop|\.setdefault)?\(?\[?|getenv\(|_env_int\(|\benv\()\s*["']"""
                         r"""(GPU_OFFLOAD_[A-Z0-9_]+)["']""")
-_ENV_SETS = re.compile(r"(?:^|[\s;(])(GPU_OFFLOAD_[A-Z0-9_]+)=", re.MULTILINE)
+_ENV_SETS = re.compile(r"(?:^|[\s;(])(GPU_OFFLOAD_[A-Z0-9_]+)=|\$\{?(GPU_OFFLOAD_[A-Z0-9_]+)", re.MULTILINE)
 
 
 def test_every_variable_read_is_known_and_every_known_one_is_read() -> None:
@@ -479,14 +480,14 @@ def test_every_variable_read_is_known_and_every_known_one_is_read() -> None:
 
     root = Path(__file__).resolve().parent.parent
     sources = [*root.glob("gpu_offload/**/*.py"), *root.glob("csrc/**/*.[ch]pp"), *root.glob("csrc/**/*.cu"),
-               root / "setup.py", *root.glob("benchmarks/*.py"), *root.glob("tests/*.py"), *root.glob("examples/*.py")]
+               root / "setup.py", *root.glob("benchmarks/*.py"), *root.glob("tests/**/*.py"), *root.glob("examples/*.py")]
     scripts = [root / "Makefile", root / ".ci" / "run", *root.glob("benchmarks/*.sh")]
     read: dict[str, str] = {}
     for files, pattern in ((sources, _ENV_READS), (scripts, _ENV_SETS)):
         for f in files:
             if f.is_file() and f.name != "_env.py":
                 for m in pattern.finditer(f.read_text()):
-                    read.setdefault(m.group(1), str(f.relative_to(root)))
+                    read.setdefault(next(g for g in m.groups() if g), str(f.relative_to(root)))
     assert "GPU_OFFLOAD_NUM_THREADS" in read and "GPU_OFFLOAD_CUDA_ARCHS" in read, read  # the scan sees C and setup
     unknown = {name: where for name, where in read.items() if name not in _env.VARIABLES}
     assert not unknown, f"add these to gpu_offload/_env.py VARIABLES: {unknown}"
