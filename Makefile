@@ -1,34 +1,44 @@
-# Two commands on a fresh machine: `make test` and `make bench`. Both create .venv and build the extension
-# (the CUDA backend always, on the driver API; the kernels' fatbin when nvcc is found; GPU_OFFLOAD_CUDA=0 for
-# a CPU-only build).
+# Two commands on a fresh machine: `make bench` (creates .venv, builds the extension, installs what the
+# benchmark needs) and `make test` (the same, plus what the tests need). The build has the CUDA backend
+# always (on the driver API), the kernels' fatbin when nvcc is found; GPU_OFFLOAD_CUDA=0 for a CPU-only build.
 PYTHON_SYS ?= python3
 VENV       := .venv
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.gpu_offload-installed
+TEST_STAMP := $(VENV)/.gpu_offload-test-installed
 SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh') CMakeLists.txt setup.py pyproject.toml
 PYTEST_ARGS ?=
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup build test test-cpp test-py bench bench-micro clean nocuda-check
 
-setup: $(STAMP)
+# Everything: the package and what the tests need.
+setup: $(STAMP) $(TEST_STAMP)
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
 
-# torch first (the local CPU wheel where one exists), then the build tools, then the package in place,
-# built in build/cmake (named: setup.py otherwise builds in a scratch folder), where test-cpp runs ctest.
+# What `make bench` needs, no more: torch first (the local CPU wheel where one exists), then the build tools,
+# then the package in place with its own dependencies, built in build/cmake (named: setup.py otherwise builds
+# in a scratch folder), where test-cpp runs ctest.
 $(STAMP): $(SOURCES) | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)" "setuptools>=77" wheel "pybind11>=2.12" ninja "cmake>=3.24"
-	GPU_OFFLOAD_TORCH_EXT=1 GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
+	GPU_OFFLOAD_TORCH_EXT=1 GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e .
 	touch $(STAMP)
 
-build: setup
+# What the tests add (pytest, DeepSpeed, megatron-core, Ray, transformers, matplotlib: about 1 GB): the same
+# install with the extras, the build already done (ninja finds nothing to rebuild). After $(STAMP) only in
+# order, so that a source change rebuilds without installing the extras again.
+$(TEST_STAMP): pyproject.toml | $(STAMP)
+	GPU_OFFLOAD_TORCH_EXT=1 GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
+	touch $(TEST_STAMP)
 
-test-cpp: setup
+build: $(STAMP)
+
+test-cpp: $(STAMP)
 	ctest --test-dir build/cmake --output-on-failure
 
 test-py: setup
@@ -36,7 +46,7 @@ test-py: setup
 
 test: test-cpp test-py
 
-bench: setup
+bench: $(STAMP)
 	$(PY) -m gpu_offload bench
 
 # The same sources built with GPU_OFFLOAD_CUDA=0 (no nvcc involved): C++ tests, then the engine tests run

@@ -16,7 +16,7 @@ from ._ext import _C
 from ._version import __version__
 from .api import discard, is_offloaded, join, offload, offloaded_bytes, reload, restore, snapshot, swap
 from .arena import Arena, default_arena, memory_stats
-from .persist import load, save
+from .persist import load, save, save_state_dict
 from .snapshot import Snapshot
 
 __all__ = [
@@ -38,9 +38,15 @@ __all__ = [
     "reload",
     "restore",
     "save",
+    "save_state_dict",
     "snapshot",
     "swap",
 ]
+
+
+def __dir__() -> list[str]:
+    # The API, not the modules it is made of (api, arena, plan, ...: importable, but not the interface).
+    return sorted(__all__)
 
 
 def cuda_available() -> bool:

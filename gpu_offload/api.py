@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Container, Iterator, Optional, Sequence
 
@@ -145,6 +146,8 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             raise
     _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
     snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
+    if isinstance(target, torch.nn.Module):  # for save_state_dict: which names its state_dict() has
+        snap._source = weakref.ref(target)
     return snap
 
 
@@ -210,7 +213,7 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         try:
             # The region's list gets the event as the batch is enqueued: a free() cannot hand the region
             # out while this copy reads it, whatever interrupts the rest.
-            events = plans.run(False, region.ptr, waits=snap._pending(), record=(region._pending,))
+            events = plans.run(False, region.ptr, waits=snap._pending(), record=(region.pending,))
         except BaseException as exc:
             events = _plan.enqueued(exc)  # copies another device enqueued still read the region
             raise

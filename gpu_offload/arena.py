@@ -10,9 +10,9 @@ import os
 import re
 import resource
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
-from . import _capture, _fork, _topology
+from . import _capture, _env, _fork, _topology
 from ._bytes import MAX_BYTES, parse_bytes, parse_bytes_or_fraction
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
@@ -22,6 +22,12 @@ logger = logging.getLogger("gpu_offload")
 _MIB = 1 << 20
 _DEFAULT_MIN_SLAB_BYTES = 256 * _MIB
 _PIN_MODES = ("auto", "none", "hostalloc", "register")
+
+
+def _size(value: Any, what: str) -> Any:
+    """A byte count given as a string ("1GiB", "512 MiB", "8e9": the units the environment variables
+    accept) as an int; anything else as it is, for the caller's own checks."""
+    return parse_bytes(value, what) if isinstance(value, str) else value
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -191,9 +197,10 @@ class Region:
                 return
             # Kept first for the last user (e.g. a freed snapshot's restores, while views still hold it);
             # completed copies are dropped, so a snapshot restored every step keeps no growing list.
-            self._pending = [e for e in self._pending if not e.query()]
+            # (In place: the engine appends to this list from C code as it enqueues.)
+            _drop_done(self._pending)
             known = {id(e) for e in self._pending}
-            self._pending.extend(e for e in pending if e is not None and id(e) not in known and not e.query())
+            self._pending.extend(e for e in pending if e is not None and id(e) not in known)
             self._users -= 1
             setattr(holder, attr, None)
             if self._users <= 0:
@@ -259,17 +266,21 @@ class Arena:
     the first cycle a training loop pins nothing more. Regions are best-fit with coalescing.
 
     Args:
-        max_bytes: hard cap on the pinned bytes; a request past it raises OffloadError. None: no cap
-            (pinning beyond the machine's available memory is still refused).
-        min_slab_bytes: the size shared slabs grow to (default 256 MiB). A region that fits in no free
-            block gets a slab of its own size (rounded to 4 KiB, to 2 MiB from 256 MiB on), or, when it is
-            under 1/64 of the arena so far, a shared slab as large as the arena (doubling it) up to this
-            size: a first small snapshot pins a few pages, not 256 MiB.
+        max_bytes: hard cap on the pinned bytes, an int or a string with a unit ("8GiB", "512MiB", "2GB");
+            a request past it raises OffloadError. None: no cap (pinning beyond the machine's available
+            memory is still refused).
+        min_slab_bytes: the size shared slabs grow to (default 256 MiB; an int or a string with a unit). A
+            region that fits in no free block gets a slab of its own size (rounded to 4 KiB, to 2 MiB from
+            256 MiB on), or, when it is under 1/64 of the arena so far, a shared slab as large as the arena
+            (doubling it) up to this size: a first small snapshot pins a few pages, not 256 MiB.
         pin: "auto" (page-locked when CUDA is available), "none", "hostalloc" (cudaHostAlloc) or
             "register" (parallel first touch, then cudaHostRegister; the fastest way to pin).
     """
 
-    def __init__(self, max_bytes: Optional[int] = None, *, min_slab_bytes: Optional[int] = None, pin: str = "auto") -> None:
+    def __init__(self, max_bytes: Union[int, str, None] = None, *, min_slab_bytes: Union[int, str, None] = None,
+                 pin: str = "auto") -> None:
+        max_bytes = _size(max_bytes, "max_bytes")
+        min_slab_bytes = _size(min_slab_bytes, "min_slab_bytes")
         if max_bytes is not None and (not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_BYTES):
             raise OffloadError(f"max_bytes must be an int from 1 to 2**63-1 or None, got {max_bytes!r}")
         if min_slab_bytes is None:
@@ -310,9 +321,10 @@ class Arena:
         """How slabs are pinned: auto (not decided yet), none, hostalloc or register."""
         return str(self._impl.pin_mode)
 
-    def reserve(self, num_bytes: int, device: Any = None) -> None:
-        """Pins ahead so that a region of `num_bytes` can later be handed out without pinning; for a CUDA
-        `device` (a torch.device, "cuda:1"), on that GPU's NUMA node."""
+    def reserve(self, num_bytes: Union[int, str], device: Any = None) -> None:
+        """Pins ahead so that a region of `num_bytes` (an int, or a string with a unit: "8GiB") can later be
+        handed out without pinning; for a CUDA `device` (a torch.device, "cuda:1"), on that GPU's NUMA node."""
+        num_bytes = _size(num_bytes, "num_bytes")
         if not isinstance(num_bytes, int) or not 0 <= num_bytes <= MAX_BYTES:  # past it the core's sizes wrap
             raise OffloadError(f"num_bytes must be an int from 0 to 2**63-1, got {num_bytes!r}")
         if num_bytes:
@@ -340,11 +352,17 @@ class Arena:
 
     def stats(self) -> dict[str, Any]:
         """Capacity, use, slab count, free blocks, slabs ever pinned, seconds spent pinning, and the
-        capacity by the NUMA node its pages are on (`bytes_by_numa_node`, -1: unknown)."""
+        capacity by the NUMA node its pages are on (`bytes_by_numa_node`, -1: unknown); `max_bytes` is None
+        for an arena without a cap."""
         self._reap(block=False)
         stats = dict(self._impl.stats())
+        stats["max_bytes"] = stats["max_bytes"] or None
         stats["pin_mode"] = self.pin_mode
         return stats
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a gpu_offload.Arena cannot be pickled: it is this process's pinned host memory; "
+                        "make a new Arena in the other process")
 
     def __repr__(self) -> str:
         s = self._impl.stats()
@@ -516,6 +534,8 @@ def default_arena() -> Arena:
                 pin=os.environ.get("GPU_OFFLOAD_PIN", "auto"),
             )
             logger.debug("default arena created: %r", _default_arena)
+            for line in _env.describe_unknown():  # a typo (GPU_OFFLOAD_MAX_BYTES) is otherwise ignored unseen
+                logger.warning("%s", line)
         return _default_arena
 
 

@@ -22,7 +22,9 @@ import torch
 
 from . import _topology, api
 from . import plan as _plan
+from ._bytes import format_bytes
 from ._errors import OffloadError
+from ._version import __version__
 from .arena import Arena
 from .snapshot import Snapshot
 
@@ -112,8 +114,12 @@ def make_tensors(layout: Layout, device: torch.device) -> dict[str, torch.Tensor
     return out
 
 
-SCHEMA_VERSION = 2  # of the JSON record; 2: per-repeat samples, spread, run metadata
+SCHEMA_VERSION = 3  # of the JSON record; 2: per-repeat samples, spread, run metadata; 3: short method names,
+# each row's kind, the limit measured again after the engine, the machine's load
 WIDE_SPREAD = 1.5  # max/min of a measurement's repeats above which the table warns
+DRIFT_FLOOR = 1.1  # the limit moving by less than this between the start and the end is not worth a warning
+# Rows by kind: the limit (one contiguous copy), gpu_offload's own methods, and the per-tensor baselines.
+KINDS = ("limit", "engine", "baseline")
 
 
 @dataclass
@@ -132,6 +138,7 @@ class Row:
     gbps_min: float = 0.0
     gbps_max: float = 0.0
     iqr_seconds: float = 0.0  # interquartile range of the samples
+    kind: str = "baseline"  # one of KINDS
 
     @property
     def spread(self) -> float:
@@ -231,8 +238,10 @@ class Bench:
 
     def measure(self, method: str, direction: str, fn: Callable[[], Any], *, note: str = "",
                 setup: Optional[Callable[[], Any]] = None, repeats: Optional[int] = None, warmup: int = 1,
-                moved: Optional[int] = None) -> Row:
-        """Times fn and returns its Row; a `limit` row also sets the limit of its direction."""
+                moved: Optional[int] = None, kind: Optional[str] = None) -> Row:
+        """Times fn and returns its Row; a `limit` row also sets the limit of its direction. `kind` (one of
+        KINDS): "limit" for the method "limit", else "engine" for a name starting with "go.", else
+        "baseline"."""
         from torch.utils.benchmark import Measurement
         from torch.utils.benchmark.utils.common import TaskSpec
 
@@ -243,9 +252,11 @@ class Bench:
         if method == "limit":
             self.limits[direction] = gbps
         limit = self.limits.get(direction) if method != "limit" else None
+        if kind is None:
+            kind = "limit" if method == "limit" else "engine" if method.startswith("go.") else "baseline"
         row = Row(method, direction, stats.median, moved, gbps, None if limit is None else gbps / limit, note,
                   samples=list(samples), gbps_min=moved / max(samples) / 1e9, gbps_max=moved / min(samples) / 1e9,
-                  iqr_seconds=stats.iqr)
+                  iqr_seconds=stats.iqr, kind=kind)
         if self._on_row is not None:
             self._on_row(row)
         return row
@@ -273,16 +284,32 @@ class _HeldSnapshot:
         api.restore(self.tensors, self.snap)
 
 
-def measure_limits(b: Bench) -> list[Row]:
-    """The limit: one contiguous copy of the same bytes, each way."""
-    note = "one contiguous copy of the same bytes" + (" (pinned)" if b.pinned else "")
+def limit_note(device: torch.device) -> str:
+    """What the limit is on this device, in the words the output uses."""
+    if device.type == "cuda":
+        return "one contiguous copy of the same bytes over the link, pinned"
+    return "one contiguous copy of the same bytes (on the CPU there is no link)"
+
+
+def _limit_rows(b: Bench, method: str, note: str) -> list[Row]:
     flat_dev = torch.empty(b.nbytes, dtype=torch.uint8, device=b.device).fill_(7)
     flat_host = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=b.pinned)
-    rows = [b.measure("limit", "d2h", lambda: flat_host.copy_(flat_dev, non_blocking=True), note=note),
-            b.measure("limit", "h2d", lambda: flat_dev.copy_(flat_host, non_blocking=True), note=note)]
+    rows = [b.measure(method, "d2h", lambda: flat_host.copy_(flat_dev, non_blocking=True), note=note, kind="limit"),
+            b.measure(method, "h2d", lambda: flat_dev.copy_(flat_host, non_blocking=True), note=note, kind="limit")]
     del flat_dev, flat_host
     _release_torch_pinned()
     return rows
+
+
+def measure_limits(b: Bench) -> list[Row]:
+    """The limit: one contiguous copy of the same bytes, each way."""
+    return _limit_rows(b, "limit", limit_note(b.device))
+
+
+def measure_limits_again(b: Bench) -> list[Row]:
+    """The limit measured again after the engine's rows (ratio: to the first): a machine whose speed changed
+    during the run shows here, and `limit_drift` says when by more than the spread of the repeats."""
+    return _limit_rows(b, "limit again", "the limit again, after the engine's rows; x limit: to the first")
 
 
 def measure_numa_limits(b: Bench) -> list[Row]:
@@ -304,9 +331,9 @@ def measure_numa_limits(b: Bench) -> list[Row]:
         host = torch.frombuffer(region.buffer(owner=region), dtype=torch.uint8)
         placed = arena.stats()["bytes_by_numa_node"]
         note = f"host buffer on NUMA node {node} ({where}); pages on {sorted(placed)}"
-        rows.append(b.measure(f"limit from {where} memory (node {node})", "d2h",
+        rows.append(b.measure(f"limit from {where} memory", "d2h",
                               lambda: host.copy_(flat_dev, non_blocking=True), note=note))
-        rows.append(b.measure(f"limit from {where} memory (node {node})", "h2d",
+        rows.append(b.measure(f"limit from {where} memory", "h2d",
                               lambda: flat_dev.copy_(host, non_blocking=True), note=note))
         del host
         region.release()
@@ -328,12 +355,13 @@ def measure_engine(b: Bench) -> list[Row]:
         if not api.is_offloaded(tensors):
             api.offload(tensors, arena=arena)
 
-    rows = [b.measure("gpu_offload.snapshot+wait", "d2h", held.take, setup=held.free),
-            b.measure("gpu_offload.restore", "h2d", held.restore)]
+    rows = [b.measure("go.snapshot+wait", "d2h", held.take, setup=held.free, note="snapshot(t).wait(), warm arena"),
+            b.measure("go.restore", "h2d", held.restore, note="restore(t, snap)")]
     held.free()
-    rows.append(b.measure("gpu_offload.offload", "d2h", lambda: api.offload(tensors, arena=arena),
-                          setup=ensure_resident, note="empty_cache included"))
-    rows.append(b.measure("gpu_offload.reload", "h2d", lambda: api.reload(tensors), setup=ensure_offloaded))
+    rows.append(b.measure("go.offload", "d2h", lambda: api.offload(tensors, arena=arena),
+                          setup=ensure_resident, note="copy out, free the storages, empty_cache"))
+    rows.append(b.measure("go.reload", "h2d", lambda: api.reload(tensors), setup=ensure_offloaded,
+                          note="re-allocate the storages, copy back"))
     ensure_resident()
     b.info["arena"] = arena.stats()  # num_slab_allocations: pinned once, flat from the second cycle
     return rows
@@ -367,7 +395,7 @@ def measure_both_ways(b: Bench) -> list[Row]:
         api.swap(pair[0], pair[1], arena=arena)
         pair.reverse()
 
-    rows.append(b.measure("gpu_offload.swap", "both", swap_once, note="offload one while reloading another",
+    rows.append(b.measure("go.swap", "both", swap_once, note="offload one while reloading another",
                           moved=2 * nbytes))
     if api.is_offloaded(tensors):
         api.swap(other, tensors, arena=arena)
@@ -387,7 +415,8 @@ def measure_first_use(b: Bench) -> list[Row]:
     def first() -> None:
         api.snapshot(tensors, arena=cold).wait().free()
 
-    rows = [b.measure("first snapshot, fresh arena", "d2h", first, repeats=1, warmup=0, note="pinning included")]
+    rows = [b.measure("go.first snapshot", "d2h", first, repeats=1, warmup=0,
+                      note="a fresh arena: pinning included")]
     b.info["cold_arena"] = cold.stats()
     del cold
 
@@ -399,8 +428,8 @@ def measure_first_use(b: Bench) -> list[Row]:
             host[off:off + n].copy_(t_.reshape(-1).view(torch.uint8), non_blocking=True)
             off += n
 
-    rows.append(b.measure("torch.empty(pin_memory=True) + copy", "d2h", torch_pinned, repeats=1, warmup=0,
-                          note="pinning included"))
+    rows.append(b.measure("torch pinned + copy_", "d2h", torch_pinned, repeats=1, warmup=0,
+                          note="torch.empty(pin_memory=True), then copy_ per tensor: pinning included"))
     _release_torch_pinned()
     return rows
 
@@ -409,29 +438,37 @@ def measure_baselines(b: Bench) -> list[Row]:
     """The per-tensor ways the engine replaces."""
     values = list(b.tensors.values())
     rows = []
+    # p.cpu().clone() per tensor is what RL frameworks do today (verl's DetachActorWorker, the code this
+    # project replaces).
     if b.device.type == "cuda":
-        rows.append(b.measure("seed: p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values], repeats=1,
-                              note="verl DetachActorWorker"))
-        rows.append(b.measure("p.to('cpu', non_blocking=True)+sync", "d2h",
-                              lambda: [p.to("cpu", non_blocking=True) for p in values]))
+        rows.append(b.measure("p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values], repeats=1,
+                              note="per tensor, into pageable memory, as RL frameworks do (verl); timed once"))
+        rows.append(b.measure("p.to(cpu,non_blocking)", "d2h",
+                              lambda: [p.to("cpu", non_blocking=True) for p in values],
+                              note="per tensor, then one synchronize"))
     else:
-        rows.append(b.measure("seed: p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values],
-                              note="on the CPU .cpu() is a no-op: one clone per tensor"))
+        rows.append(b.measure("p.cpu().clone()", "d2h", lambda: [p.cpu().clone() for p in values],
+                              note="per tensor, as RL frameworks do (verl); on the CPU .cpu() is a no-op, "
+                                   "so one clone each"))
     host = [torch.empty_like(p, device="cpu", pin_memory=b.pinned) for p in values]
-    note = "pinned" if b.pinned else ""
-    rows.append(b.measure("preallocated per-tensor copy_", "d2h",
-                          lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, values)], note=note))
-    rows.append(b.measure("preallocated per-tensor copy_ back", "h2d",
-                          lambda: [p.copy_(h, non_blocking=True) for h, p in zip(host, values)], note=note))
+    where = "pinned " if b.pinned else ""
+    rows.append(b.measure(COPY_TO, "d2h", lambda: [h.copy_(p, non_blocking=True) for h, p in zip(host, values)],
+                          note=f"copy_ per tensor into {where}host tensors allocated beforehand"))
+    rows.append(b.measure(COPY_FROM, "h2d", lambda: [p.copy_(h, non_blocking=True) for h, p in zip(host, values)],
+                          note=f"copy_ per tensor back from the {where}host tensors"))
     del host
     if b.pinned:
         _release_torch_pinned()
     return rows
 
 
-# The groups `run` measures, in order; the limits come first (every ratio is to them).
+# The best a per-tensor loop does: the baselines the engine's small-tensor layouts are compared with.
+COPY_TO, COPY_FROM = "copy_ to preallocated", "copy_ from preallocated"
+
+# The groups `run` measures, in order; the limits come first (every ratio is to them) and are measured again
+# after the engine's rows (see limit_drift).
 GROUPS: list[Callable[[Bench], list[Row]]] = [measure_limits, measure_numa_limits, measure_engine, measure_both_ways,
-                                              measure_first_use]
+                                              measure_first_use, measure_limits_again]
 
 
 def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,
@@ -443,6 +480,7 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
     `groups` replaces the default groups (GROUPS, then the baselines); `extra_groups` are measured after
     them (e.g. `gather_sweep(...)`, `bench_stager.measure_stager`). `progress(name)` is called before each
     group, `on_row(row)` after each finished measurement."""
+    monitor = LoadMonitor()
     b = Bench(layout, device, repeats, on_row)
     dtype = str(layout.dtype).replace("torch.", "")
     result = Result(layout.name, str(device), layout.num_tensors, layout.nbytes, layout.scale, repeats, dtype)
@@ -454,7 +492,109 @@ def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bo
         result.rows.extend(group(b))
     result.info.update(b.info)
     result.info["limits_gbps"] = dict(b.limits)
+    result.info["load"] = monitor.stop()
     return result
+
+
+def slower_than_per_tensor(result: Result) -> list[tuple[Row, Row]]:
+    """The engine's snapshot, restore, offload and reload rows that moved fewer GB/s than a preallocated
+    per-tensor copy_ in the same direction (which allocates and frees nothing), each with that baseline."""
+    rows = {(r.method, r.direction): r for r in result.rows}
+    out = []
+    for method, direction, baseline in (("go.snapshot+wait", "d2h", COPY_TO), ("go.offload", "d2h", COPY_TO),
+                                        ("go.restore", "h2d", COPY_FROM), ("go.reload", "h2d", COPY_FROM)):
+        mine, theirs = rows.get((method, direction)), rows.get((baseline, direction))
+        if mine is not None and theirs is not None and mine.gbps < theirs.gbps:
+            out.append((mine, theirs))
+    return out
+
+
+def limit_drift(result: Result) -> list[dict[str, Any]]:
+    """The directions whose limit, measured again after the engine's rows, moved by more than the spread of
+    the repeats of either measurement (and by more than DRIFT_FLOOR): the machine's speed changed during the
+    run, so ratios measured at different moments do not compare. Each: direction, the two medians in GB/s,
+    their ratio (larger over smaller) and the spread it exceeded."""
+    first = {r.direction: r for r in result.rows if r.method == "limit"}
+    out = []
+    for again in (r for r in result.rows if r.method == "limit again"):
+        before = first.get(again.direction)
+        if before is None:
+            continue
+        drift = max(before.gbps, again.gbps) / min(before.gbps, again.gbps)
+        spread = max(before.spread, again.spread, DRIFT_FLOOR)
+        if drift > spread:
+            out.append({"direction": again.direction, "before_gbps": before.gbps, "after_gbps": again.gbps,
+                        "drift": drift, "spread": spread})
+    return out
+
+
+def _cpu_seconds() -> Optional[tuple[float, float]]:
+    """(busy seconds of the CPUs this process may run on, summed, from /proc/stat; this process's own CPU
+    seconds, all threads); None where /proc/stat cannot be read (not Linux)."""
+    import resource
+
+    try:
+        allowed = os.sched_getaffinity(0)
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except (OSError, AttributeError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in allowed:
+            # user nice system idle iowait irq softirq steal: everything but idle and iowait is busy.
+            values = [int(v) for v in fields[:8]] + [0] * (8 - len(fields[:8]))
+            busy += sum(values) - values[3] - values[4]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return busy / tick, usage.ru_utime + usage.ru_stime
+
+
+class LoadMonitor:
+    """How busy the machine was during a run: the load average at its start and end and, on Linux, the
+    cores that *other* processes kept busy on average (all busy CPU time of the CPUs this process may use,
+    less this process's own, over the wall time): a process holding a core while the benchmark runs shows
+    up here even when the repeats agree with each other."""
+
+    def __init__(self) -> None:
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.load_start = _loadavg()
+        self._t0 = time.perf_counter()
+        self._cpu0 = _cpu_seconds()
+
+    def stop(self) -> dict[str, Any]:
+        cpu1, wall = _cpu_seconds(), time.perf_counter() - self._t0
+        others = None
+        if self._cpu0 is not None and cpu1 is not None and wall > 0:
+            others = max(0.0, ((cpu1[0] - self._cpu0[0]) - (cpu1[1] - self._cpu0[1])) / wall)
+        return {"cores": self.cores, "load_average_start": self.load_start, "load_average_end": _loadavg(),
+                "other_processes_cores": others, "seconds": wall}
+
+
+def busy_threshold(cores: int) -> float:
+    """Cores kept busy by other processes above which a run is flagged: half a core, or a tenth of the
+    machine's cores where that is more."""
+    return max(0.5, 0.1 * cores)
+
+
+def machine_busy(load: dict[str, Any]) -> Optional[str]:
+    """Why the machine counts as busy for this run (None when it was quiet): other processes' cores during
+    the run where they are known, else the load average at the start."""
+    cores = load["cores"]
+    others = load.get("other_processes_cores")
+    if others is not None:
+        if others >= busy_threshold(cores):
+            return f"other processes kept {others:.1f} of its {cores} cores busy on average during the run"
+        return None
+    start = load.get("load_average_start")
+    if start and start[0] >= busy_threshold(cores):
+        return f"its load average was {start[0]:.1f} on {cores} cores at the start"
+    return None
+
+
+def _loadavg() -> Optional[list[float]]:
+    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def run_metadata(device: torch.device) -> dict[str, Any]:
@@ -468,13 +608,15 @@ def run_metadata(device: torch.device) -> dict[str, Any]:
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "package_version": __version__,
         "commit": None,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "driver": None,
         "device_name": None,
         # How busy the machine was as the run began (1, 5, 15 minutes): a shared machine's figures swing.
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average": _loadavg(),
     }
     src = Path(__file__).resolve().parent.parent
     if (src / ".git").exists() and shutil.which("git"):
@@ -523,9 +665,9 @@ def gather_sweep(thresholds: Sequence[int]) -> Callable[[Bench], list[Row]]:
                 _plan.clear_cache()  # plans read the threshold when they are built
                 held = _HeldSnapshot(tensors, arena)
                 note = f"GPU_OFFLOAD_GATHER_MAX_BYTES={int(limit)}"
-                rows.append(b.measure(f"snapshot+wait, gather<={int(limit)}", "d2h", held.take, setup=held.free,
-                                      note=note))
-                rows.append(b.measure(f"restore, gather<={int(limit)}", "h2d", held.restore, note=note))
+                label = "gather off" if limit == 0 else f"gather<={format_bytes(limit).replace(' ', '')}"
+                rows.append(b.measure(f"go.snapshot {label}", "d2h", held.take, setup=held.free, note=note))
+                rows.append(b.measure(f"go.restore {label}", "h2d", held.restore, note=note))
                 held.free()
         finally:
             if before is None:

@@ -22,18 +22,18 @@ __all__ = ["dcp_stager", "measure_stager"]
 
 
 def dcp_stager(device: torch.device) -> tuple[str, Callable[[], Any]]:
-    """The name and a factory of DCP's own stager for this torch version and device."""
+    """What DCP's own stager is for this torch version and device (its class and options), and a factory."""
     pinned = device.type == "cuda"
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-        return ("DCP BlockingAsyncStager(cache_staged_state_dict=True)",
+        return ("BlockingAsyncStager(cache_staged_state_dict=True)",
                 lambda: BlockingAsyncStager(cache_staged_state_dict=True))
     options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
                              use_non_blocking_copy=pinned)
-    return f"DCP DefaultStager(pinned={pinned})", lambda: DefaultStager(options)
+    return f"DefaultStager(pinned={pinned})", lambda: DefaultStager(options)
 
 
 def measure_stager(b: bench.Bench) -> list[bench.Row]:
@@ -44,7 +44,7 @@ def measure_stager(b: bench.Bench) -> list[bench.Row]:
     tensors = b.tensors
     rows: list[bench.Row] = []
 
-    def measure(name: str, stager: Any, first_note: str, steady_note: str) -> None:
+    def measure(name: str, stager: Any, kind: str, first_note: str, steady_note: str) -> None:
         held: dict[str, Any] = {}
 
         def stage() -> None:
@@ -53,18 +53,21 @@ def measure_stager(b: bench.Bench) -> list[bench.Row]:
         def drop() -> None:
             held.pop("sd", None)
 
-        rows.append(b.measure(f"{name} first call", "d2h", stage, repeats=1, warmup=0, note=first_note))
-        rows.append(b.measure(f"{name} steady state", "d2h", stage, setup=drop, note=steady_note))
+        rows.append(b.measure(f"{name} first", "d2h", stage, repeats=1, warmup=0, note=f"first call: {first_note}",
+                              kind=kind))
+        rows.append(b.measure(f"{name} steady", "d2h", stage, setup=drop, note=f"steady state: {steady_note}",
+                              kind=kind))
         drop()
         stager.close()
 
     arena = Arena()  # a fresh arena: the first call pins what the checkpoint needs
-    measure("ArenaStager", ArenaStager(arena), "fresh arena, pinning included", "arena reused, nothing pinned")
+    measure("ArenaStager", ArenaStager(arena), "engine", "a fresh arena, pinning included",
+            "the arena reused, nothing pinned")
     del arena
     gc.collect()
 
-    name, make = dcp_stager(b.device)
-    measure(name, make(), "empty cache, allocation" + (" and pinning" if b.device.type == "cuda" else "") + " included",
-            "cached host copies reused")
+    what, make = dcp_stager(b.device)
+    measure("DCP stager", make(), "baseline", f"torch's {what}, an empty cache, allocation"
+            + (" and pinning" if b.device.type == "cuda" else "") + " included", f"{what}, its cached host copies reused")
     bench._release_torch_pinned()
     return rows

@@ -34,11 +34,12 @@ import os
 import re
 import stat
 import time
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
 from . import integrity as _integrity
+from ._bytes import format_bytes
 from ._errors import OffloadError
 from ._version import __version__
 from .arena import Arena, default_arena
@@ -55,6 +56,8 @@ _KEY = "storage.{}"
 _MAX_HEADER_BYTES = 100_000_000  # what safetensors itself accepts
 _STALE_TEMPORARY_SECONDS = 60.0  # an unlocked temporary younger than this may be a writer about to lock it
 _IO_CHUNK = 64 << 20  # bytes per write/read call of one storage
+_PROGRESS_MIN_BYTES = 256 << 20  # saves and loads from this size on log their progress at INFO
+_PROGRESS_INTERVAL_S = 2.0  # at most one progress line per this many seconds
 _INT64_MAX = (1 << 63) - 1
 _temporary_ids = itertools.count()
 
@@ -229,35 +232,204 @@ def _write(snap: Snapshot, region: Any, path: str) -> None:
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "package_version": __version__,
                 "layout": text, "layout_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
     head = _header_bytes(layout, metadata)
+    view = memoryview(region.buffer(owner=snap)).cast("B")
+    try:
+        _write_atomically(path, head, (view[spec.host_offset:spec.host_offset + spec.nbytes]
+                                       for spec in layout.storages), layout.nbytes, mode)
+    finally:
+        view.release()
+
+
+class _Progress:
+    """Progress of a long save or load (_PROGRESS_MIN_BYTES and more: hundreds of MB take seconds) at INFO:
+    a line at the start, one per tenth of the bytes (at most one per _PROGRESS_INTERVAL_S) and one at the
+    end. Shorter ones log nothing here (their one DEBUG line comes from save and load)."""
+
+    def __init__(self, verb: str, path: str, total: int) -> None:
+        self.verb, self.path, self.total = verb, path, total
+        self.done = 0
+        self.start = self._last = time.perf_counter()
+        self._next = total // 10
+        self.on = total >= _PROGRESS_MIN_BYTES and logger.isEnabledFor(logging.INFO)
+        if self.on:
+            logger.info("%s %s: %s", verb, path, format_bytes(total))
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if not self.on or self.done < self._next or self.done >= self.total:
+            return
+        now = time.perf_counter()
+        if now - self._last >= _PROGRESS_INTERVAL_S:
+            self._last = now
+            self._next = self.done + self.total // 10
+            logger.info("%s %s: %d%% (%s of %s, %s/s)", self.verb, self.path, 100 * self.done // self.total,
+                        format_bytes(self.done), format_bytes(self.total),
+                        format_bytes(int(self.done / max(now - self.start, 1e-9))))
+
+    def finish(self, past: str) -> None:
+        if self.on:
+            seconds = time.perf_counter() - self.start
+            logger.info("%s %s: %s in %.2f s (%s/s)", past, self.path, format_bytes(self.total), seconds,
+                        format_bytes(int(self.total / max(seconds, 1e-9))))
+
+
+def _write_atomically(path: str, head: bytes, pieces: Iterable[memoryview], total: int,
+                      mode: Optional[int]) -> None:
+    """Writes head and then every piece to a temporary file beside `path`, syncs it, renames it over `path`
+    and syncs the directory: `path` is the previous file or the complete new one, never anything else. The
+    file gets `mode` (that of the file it replaces) or, new, 0666 less the umask. An OSError names `path`
+    (what the caller passed), not the temporary."""
+    directory = os.path.dirname(os.path.abspath(path))
     _remove_stale_temporaries(path)
     temporary = f"{path}.tmp-{os.getpid()}-{next(_temporary_ids)}-{os.urandom(4).hex()}"
-    view = memoryview(region.buffer(owner=snap)).cast("B")
+    progress = _Progress("saving", path, total)
     descriptor: Optional[_Descriptor] = None
     try:
         # Created inside the try that removes it: an interrupt right after the open leaves no temporary.
         # A new file gets 0666 less the umask, as open() would; a replaced one keeps its own mode (set
         # before any byte is written, on a temporary created private).
-        descriptor = _Descriptor(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                                 0o666 if mode is None else 0o600)
+        try:
+            descriptor = _Descriptor(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                                     0o666 if mode is None else 0o600)
+        except OSError as exc:
+            missing = isinstance(exc, FileNotFoundError) and not os.path.isdir(directory)
+            raise _named(exc, path, f"the directory {directory} does not exist" if missing else None) from None
         fd = descriptor.fd
         if mode is not None:
             os.fchmod(fd, mode)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: the file is live (see the sweep above)
         _write_all(fd, memoryview(head))
-        for spec in layout.storages:
-            _write_all(fd, view[spec.host_offset:spec.host_offset + spec.nbytes])
+        for piece in pieces:
+            _write_all(fd, piece)
+            progress.advance(len(piece))
         os.fsync(fd)  # the bytes are on disk before the name points at them
         _check_destination(path)  # again: it may have become something else meanwhile
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(exc, OSError) and not isinstance(exc, OffloadError) and exc.filename != path:
+            raise _named(exc, path) from None
         raise
     finally:
         if descriptor is not None:
             descriptor.close()
-        view.release()
-    _fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)  # and so is the rename
+    _fsync_path(directory, directory=True)  # and so is the rename
+    progress.finish("saved")
+
+
+def _named(exc: OSError, path: str, why: Optional[str] = None) -> OSError:
+    """The same kind of OSError (FileNotFoundError, PermissionError, ...) about `path` rather than about the
+    temporary file the caller never named."""
+    if exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, f"cannot save to {path}: {why or exc.strerror}", path)
+
+
+# -- state dicts -------------------------------------------------------------------------------------------
+# torch dtype -> safetensors dtype code (those safetensors.torch reads)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.complex64: "C64",
+    **{getattr(torch, name): code for name, code in (
+        ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
+       if hasattr(torch, name)},
+}
+
+
+def save_state_dict(snap: Snapshot, path: PathLike, metadata: Optional[dict[str, str]] = None) -> None:
+    """Writes a snapshot as a plain safetensors state dict, atomically (as `save` does): each tensor under
+    its name with its values, so that other tools load it without gpu_offload:
+
+        model.load_state_dict(safetensors.torch.load_file(path))   # or safetensors.torch.load_model(model, path)
+        AutoModelForCausalLM.from_pretrained(directory)            # a Hugging Face model's state dict, saved as
+                                                                   # directory/model.safetensors with its config
+
+    Names that alias an earlier tensor (the same storage, offset, shape, strides and dtype: a tied
+    `lm_head.weight`) are written once, under the first name, and listed in the metadata as
+    `{alias: kept name}`, the way `safetensors.torch.save_model` writes tied weights; load such a file with
+    `safetensors.torch.load_model(model, path)`, or `load_state_dict(..., strict=False)`, which then reports
+    only the aliases as missing (they are tied to the tensor that was loaded). Other views are written
+    with their own values. Gradients (`include_grads=True`) are not written, nor, for a snapshot of an
+    `nn.Module` that is still alive, the names its `state_dict()` leaves out (non-persistent buffers such
+    as a rotary embedding's `inv_freq`). The metadata also has `"format": "pt"` (what Hugging Face's
+    loaders check) and the `metadata` given.
+
+    Use `save`/`load` to bring a snapshot back into gpu_offload (they keep the storages, views, checksums
+    and layout); this file is for everything else (`from_pretrained`, vLLM, another framework).
+
+    Raises:
+        OffloadError: the snapshot was freed, is of a sharded module (FSDP/Megatron: this rank's flat
+            shards are not a state dict), holds DTensor shards (use `dcp.save(snap.state_dict(), ...)`), a
+            tensor's dtype has no safetensors code, or `path` is not a regular file.
+        OSError: the file cannot be written; `path` is then as it was.
+    """
+    path = os.fspath(path)
+    if snap._layout.shard_info is not None:
+        raise OffloadError("save_state_dict: this snapshot is of a sharded module (FSDP/Megatron), whose tensors "
+                           "are this rank's flat shards, not a state dict; snapshot model.state_dict() (with a "
+                           "full state dict) or write a DCP checkpoint with dcp.save(snap.state_dict(), ...)")
+    if snap._dtensor_specs:
+        raise OffloadError("save_state_dict: this snapshot holds DTensor shards "
+                           f"({_names_of(list(snap._dtensor_specs))}); a plain state dict would hold only this "
+                           "rank's part: write a DCP checkpoint with dcp.save(snap.state_dict(), checkpoint_id=...)")
+    layout = snap.layout
+    grads = snap.include_grads
+    # A module's snapshot holds its non-persistent buffers too (rotary inv_freq); its state_dict() does not.
+    module = snap._source() if snap._source is not None else None
+    wanted = set(module.state_dict(keep_vars=True)) if module is not None else None
+    keep: list[str] = []
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for t in layout.tensors:
+        if (grads and t.name.endswith(".grad")) or (wanted is not None and t.name not in wanted):
+            continue
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise OffloadError(f"save_state_dict: {t.name} is {t.dtype}, which safetensors cannot store")
+        key = (t.storage, t.offset, t.shape, t.stride, t.dtype)
+        if key in first:
+            aliases[t.name] = first[key]
+        else:
+            first[key] = t.name
+            keep.append(t.name)
+    meta = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    for alias, kept in aliases.items():
+        meta.setdefault(alias, kept)  # as save_model does: the caller's own metadata is not overwritten
+    mode = _check_destination(path)
+    region = snap._use()
+    try:
+        tensors = snap.tensors()
+        values = {name: tensors[name].contiguous() for name in keep}  # views of the arena unless strided
+        del tensors
+        header: dict[str, Any] = {"__metadata__": meta}
+        offset = 0
+        for name in keep:
+            v = values[name]
+            n = v.numel() * v.element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[v.dtype], "shape": list(v.shape),
+                            "data_offsets": [offset, offset + n]}
+            offset += n
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-(8 + len(text)) % 8)
+
+        def pieces() -> Iterable[memoryview]:
+            for name in keep:
+                v = values[name]
+                if v.numel():
+                    yield v.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of the bytes
+
+        start = time.perf_counter()
+        _write_atomically(path, len(text).to_bytes(8, "little") + text, pieces(), offset, mode)
+    finally:
+        region.release()
+    logger.debug("save_state_dict: %d tensors (%d aliases in the metadata), %d bytes to %s in %.3f s", len(keep),
+                 len(aliases), offset, path, time.perf_counter() - start)
+
+
+def _names_of(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 # -- load ----------------------------------------------------------------------------------------------
@@ -499,9 +671,11 @@ def _load(fd: int, path: str, arena: Optional[Arena], start: float) -> Snapshot:
         slabs = arena._slabs_made()
         region = arena._allocate(layout.host_bytes, devices=layout.devices)  # where it will be restored
         try:
-            _read_into(f, path, layout, region, [data_start + s for s in starts])
+            progress = _Progress("loading", path, layout.nbytes)
+            _read_into(f, path, layout, region, [data_start + s for s in starts], progress)
             _integrity.check(layout, checksums, _integrity.host_checksums(layout, region.ptr),
                              f"cannot load {path}: data corrupt")
+            progress.finish("loaded and checked")
         except BaseException:
             region.release()
             with contextlib.suppress(Exception):  # the load's own error is the one to report
@@ -514,7 +688,8 @@ def _load(fd: int, path: str, arena: Optional[Arena], start: float) -> Snapshot:
     return Snapshot(layout, region, [], _integrity.Checksums(list(checksums)), include_grads=include_grads)
 
 
-def _read_into(f: Any, path: str, layout: Layout, region: Any, places: list[int]) -> None:
+def _read_into(f: Any, path: str, layout: Layout, region: Any, places: list[int],
+               progress: _Progress) -> None:
     """Copies every storage's bytes from the open file into the region, in file order."""
     view = memoryview(region.buffer(owner=region)).cast("B")
     try:
@@ -530,5 +705,6 @@ def _read_into(f: Any, path: str, layout: Layout, region: Any, places: list[int]
                 if not n:
                     raise _bad(path, f"truncated while being read: {_KEY.format(i)} ({spec.name}) ends early")
                 dst = dst[n:]
+                progress.advance(n)
     finally:
         view.release()

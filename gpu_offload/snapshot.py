@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,9 @@ class Snapshot:
     # name -> DTensorSpec of the tensors that were DTensors at snapshot time (set by snapshot(); in memory
     # only, never saved: a loaded snapshot has none).
     _dtensor_specs: Optional[dict[str, Any]] = None
+    # The module a snapshot was taken of, while it lives (set by snapshot(); a weak reference): its
+    # state_dict() names are what gpu_offload.save_state_dict writes (not its non-persistent buffers).
+    _source: Optional["weakref.ref[Any]"] = None
 
     def __init__(self, layout: Layout, region: Region, events: list[Any],
                  checksums: Optional[_integrity.Checksums] = None, include_grads: Optional[bool] = None) -> None:
@@ -241,6 +245,13 @@ class Snapshot:
     def __deepcopy__(self, memo: dict[int, Any]) -> "Snapshot":
         raise OffloadError("a Snapshot cannot be deep-copied: take another snapshot of the target, or copy its "
                            "tensors() (copy.copy gives a second handle on the same host copy)")
+
+    def __reduce__(self) -> Any:
+        # pickle, torch.save and copy.deepcopy would otherwise fail on the lock inside, or copy a view of
+        # arena memory that the other process does not have.
+        raise TypeError("a gpu_offload.Snapshot cannot be pickled (it is pinned host memory of this process): "
+                        "write it with gpu_offload.save(snap, path) and read it with gpu_offload.load(path), or "
+                        "gpu_offload.save_state_dict(snap, path) for a plain safetensors state dict")
 
     def __enter__(self) -> "Snapshot":
         return self

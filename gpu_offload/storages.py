@@ -204,12 +204,73 @@ def shard_difference(snapshot: Optional[str], target: Optional[str]) -> Optional
     return _first_difference(json.loads(snapshot), json.loads(target))
 
 
+def _names(names: Sequence[str], shown: int = 3) -> str:
+    """The first few names, then how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _both(names: Sequence[str]) -> str:
+    """Names that belong together: "a and b", "a, b and c", "a, b, c and 4 more"."""
+    if len(names) <= 3:
+        return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+    return f"{', '.join(names[:3])} and {len(names) - 3} more"
+
+
+def _compile_hint(snapshot_names: Sequence[str], target_names: Sequence[str]) -> Optional[str]:
+    """What to do when the names differ only by torch.compile's `_orig_mod.` (an OptimizedModule's
+    parameters are its original module's, under that prefix)."""
+    def plain(names: Sequence[str]) -> set[str]:
+        return {n.replace("_orig_mod.", "") for n in names}
+
+    if plain(snapshot_names) != plain(target_names):
+        return None
+    if any("_orig_mod." in n for n in snapshot_names):
+        return ("the snapshot is of a torch.compile'd module (its names have `_orig_mod.`) and the target is not: "
+                "restore into the compiled module, or snapshot the original one (`compiled._orig_mod`)")
+    return ("the target is a torch.compile'd module (its names have `_orig_mod.`) and the snapshot is of the original "
+            "module: restore into the original one (`compiled._orig_mod`), or snapshot the compiled one")
+
+
+def _contiguous(t: TensorSpec) -> bool:
+    """Whether the strides are those of a contiguous tensor of that shape."""
+    expected, step = [], 1
+    for d in reversed(t.shape):
+        expected.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(expected)) == t.stride
+
+
+def _field_lines(diffs: dict[str, list[tuple[str, object, object]]]) -> list[str]:
+    """One line per kind of difference: (name, in target, in snapshot) grouped by field, and for dtype and
+    device also by the two values (a model built in another dtype differs in every tensor the same way)."""
+    lines = []
+    for field, items in diffs.items():
+        if field in ("dtype", "device"):
+            by_values: dict[tuple[str, str], list[str]] = {}
+            for name, b, a in items:
+                by_values.setdefault((str(b), str(a)), []).append(name)
+            for (b, a), names in by_values.items():
+                lines.append(f"{names[0]}: {field} {b} in target, {a} in snapshot" if len(names) == 1 else
+                             f"{field} {b} in target, {a} in snapshot for {len(names)} tensors: {_names(names)}")
+            continue
+        name, b, a = items[0]
+        what = "storage of" if field == "storage" else field
+        unit = " bytes" if field == "storage" else ""
+        first = f"{name}: {what} {b}{unit} in target, {a}{unit} in snapshot"
+        more = len(items) - 1
+        lines.append(first if not more else f"{first}; {more} more tensor{'s differ' if more > 1 else ' differs'} in "
+                     f"{field}: {_names([n for n, _, _ in items[1:]])}")
+    return lines
+
+
 def match(snapshot: Layout, target: Layout, max_report: int = 5) -> Optional[list[int]]:
     """Maps each target storage to the snapshot storage it must receive (None: the same layout, storage i
     to storage i).
 
-    Raises LayoutMismatchError naming the first differences when names, shapes, strides, offsets, dtypes,
-    devices, storage sharing or storage sizes differ.
+    Raises LayoutMismatchError when names, shapes, strides, offsets, dtypes, devices, storage sharing or
+    storage sizes differ: one short line per kind of difference, naming the tensors (the first few of each
+    kind) and, where the remedy is known (tied weights, torch.compile's `_orig_mod.` names), what to do.
     """
     if snapshot is target or snapshot == target:  # identity: the common case of a cached plan
         return None
@@ -227,27 +288,46 @@ def match(snapshot: Layout, target: Layout, max_report: int = 5) -> Optional[lis
     if extra:
         problems.append(f"not in snapshot: {', '.join(extra[:max_report])}"
                         + (f" (+{len(extra) - max_report} more)" if len(extra) > max_report else ""))
-    mapping: dict[int, int] = {}
+    if missing and extra:
+        hint = _compile_hint(list(snap_by_name), list(target_by_name))
+        if hint is not None:
+            problems.append(hint)
+    diffs: dict[str, list[tuple[str, object, object]]] = {}
+    # Which snapshot storages each target storage receives, and the other way round, with the names.
+    into: dict[int, dict[int, list[str]]] = {}
+    out_of: dict[int, dict[int, list[str]]] = {}
     for name, tt in target_by_name.items():
         st = snap_by_name.get(name)
         if st is None:
             continue
+        sized = False  # a difference that changes the storage's size by itself
         for field in ("shape", "stride", "offset", "dtype"):
             a, b = getattr(st, field), getattr(tt, field)
-            if a != b:
-                problems.append(f"{name}: {field} {b} in target, {a} in snapshot")
+            if a != b and not (field == "stride" and _contiguous(st) and _contiguous(tt)):  # the shape says it all
+                diffs.setdefault(field, []).append((name, b, a))
+                sized = sized or field in ("shape", "dtype")
         ss, ts = snapshot.storages[st.storage], target.storages[tt.storage]
         if ss.device != ts.device:
-            problems.append(f"{name}: device {ts.device} in target, {ss.device} in snapshot")
-        if ss.nbytes != ts.nbytes:
-            problems.append(f"{name}: storage of {ts.nbytes} bytes in target, {ss.nbytes} in snapshot")
-        previous = mapping.setdefault(tt.storage, st.storage)
-        if previous != st.storage:
-            problems.append(f"{name}: shares a storage in the target that it does not share in the snapshot")
-        if len(problems) >= max_report:
-            break
-    if not problems and len(set(mapping.values())) != len(mapping):
-        problems.append("tensors that are separate in the target share a storage in the snapshot")
+            diffs.setdefault("device", []).append((name, ts.device, ss.device))
+        elif ss.nbytes != ts.nbytes and not sized:  # a storage size that no difference above explains
+            diffs.setdefault("storage", []).append((name, ts.nbytes, ss.nbytes))
+        into.setdefault(tt.storage, {}).setdefault(st.storage, []).append(name)
+        out_of.setdefault(st.storage, {}).setdefault(tt.storage, []).append(name)
+    problems += _field_lines(diffs)
+    for groups in into.values():
+        if len(groups) > 1:
+            names = [ns[0] for ns in groups.values()]
+            problems.append(f"{_both(names)} share one storage in the target but are separate in the snapshot: untie "
+                            "them in the target as the snapshot's model is built, or snapshot a target built like it")
+    for groups in out_of.values():
+        if len(groups) > 1:
+            names = [ns[0] for ns in groups.values()]
+            problems.append(f"{_both(names)} share one storage in the snapshot (tied weights, or views of one "
+                            f"tensor) but are separate in the target: tie them in the target as in the snapshot "
+                            f"(e.g. target.{names[-1]} = target.{names[0]} for tied weights), or snapshot a target "
+                            "built like it")
     if problems:
-        raise LayoutMismatchError("target layout differs from the snapshot: " + "; ".join(problems[:max_report]))
-    return [mapping[i] for i in range(len(target.storages))]
+        shown = problems[:max_report] + ([f"(+{len(problems) - max_report} more differences)"]
+                                         if len(problems) > max_report else [])
+        raise LayoutMismatchError("target layout differs from the snapshot:\n  " + "\n  ".join(shown))
+    return [next(iter(into[i])) for i in range(len(target.storages))]

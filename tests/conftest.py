@@ -25,6 +25,9 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 collect_ignore = [] if os.environ.get("GPU_OFFLOAD_SIM") else ["sim"]
 
 
+NO_CUDA = "no CUDA device (or gpu_offload built without CUDA)"
+
+
 def _cuda_ok() -> bool:
     return go.cuda_available() and torch.cuda.is_available()
 
@@ -32,7 +35,7 @@ def _cuda_ok() -> bool:
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request: pytest.FixtureRequest) -> torch.device:
     if request.param == "cuda" and not _cuda_ok():
-        pytest.skip("no CUDA device (or gpu_offload built without CUDA)")
+        pytest.skip(NO_CUDA)
     return torch.device(request.param)
 
 
@@ -45,10 +48,22 @@ def arena() -> go.Arena:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_ok():
         return
-    skip = pytest.mark.skip(reason="no CUDA device (or gpu_offload built without CUDA)")
+    skip = pytest.mark.skip(reason=NO_CUDA)
     for item in items:
         if "cuda" in item.keywords and "device" not in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A CUDA test skipped for want of a GPU is reported from one place, so that `-ra` folds them all into one
+    line with their count (`SKIPPED [69] tests/conftest.py: cuda-marked tests: no CUDA device ...`) instead
+    of a line per test; any other skip keeps its own line and reason."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3 \
+            and str(report.longrepr[2]).endswith(NO_CUDA) and "cuda" in item.keywords:
+        report.longrepr = (__file__, None, f"cuda-marked tests: {NO_CUDA}")
+    return report
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

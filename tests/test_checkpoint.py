@@ -660,11 +660,14 @@ def test_bench_stager_rows_beside_dcp(tmp_path: Path) -> None:
     rows = {r["method"]: r for r in res["rows"]}
     from gpu_offload.bench_stager import dcp_stager
 
-    dcp_name = dcp_stager(torch.device("cpu"))[0]
+    dcp_class = dcp_stager(torch.device("cpu"))[0]
     limit = next(r["gbps"] for r in res["rows"] if r["method"] == "limit" and r["direction"] == "d2h")
-    for name in ("ArenaStager", dcp_name):
-        for when in ("first call", "steady state"):
+    for name, kind in (("ArenaStager", "engine"), ("DCP stager", "baseline")):
+        for when in ("first", "steady"):
             r = rows[f"{name} {when}"]
+            assert r["kind"] == kind
+            if name == "DCP stager":
+                assert dcp_class in r["note"], r["note"]  # which of DCP's stagers it was
             assert r["direction"] == "d2h" and r["nbytes"] == nbytes and r["seconds"] > 0
             assert r["gbps"] == pytest.approx(nbytes / r["seconds"] / 1e9)
             assert r["ratio"] == pytest.approx(r["gbps"] / limit)

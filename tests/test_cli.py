@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import re
 import resource
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -32,7 +35,7 @@ TIMEOUT = 120  # a hang (or a bad option that started a full benchmark) fails in
 TINY_LAYOUT = {"name": "tiny-test", "dtype": "float32", "runs": [[[128, 256], 6], [[256], 3]]}
 TINY_TENSORS = 9
 TINY_BYTES = (6 * 128 * 256 + 3 * 256) * 4
-ENGINE_METHODS = {"gpu_offload.snapshot+wait", "gpu_offload.restore", "gpu_offload.offload", "gpu_offload.reload"}
+ENGINE_METHODS = {"go.snapshot+wait", "go.restore", "go.offload", "go.reload"}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -58,6 +61,20 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[c.strip() for c in line.split("│")[1:-1]] for line in stdout.splitlines() if line.startswith("│")]
 
 
+def bench_rows(stdout: str) -> list[list[str]]:
+    """The rows of the bench tables (six cells: method, dir, ms, GB/s, min-max, x limit); a figure folded onto
+    a second line (a narrow terminal) is joined back to its row."""
+    rows: list[list[str]] = []
+    for cells in table_rows(stdout):
+        if len(cells) != 6:
+            continue
+        if cells[0] == "" and rows:
+            rows[-1] = [a + b for a, b in zip(rows[-1], cells)]
+        else:
+            rows.append(cells)
+    return rows
+
+
 def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale: int, baselines: bool,
                  repeats: int = 1) -> None:
     """Structure of one layout's result, positive figures, and ratios equal to GB/s over the limit."""
@@ -68,7 +85,9 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     repeats = res["repeats"]
     for r in rows:
         assert set(r) == {"method", "direction", "seconds", "nbytes", "gbps", "ratio", "note", "samples", "gbps_min",
-                          "gbps_max", "iqr_seconds", "spread"}, r
+                          "gbps_max", "iqr_seconds", "spread", "kind"}, r
+        assert r["kind"] == ("limit" if r["method"].startswith("limit") else
+                             "engine" if r["method"].startswith("go.") else "baseline"), r
         assert r["direction"] in ("d2h", "h2d"), r
         assert r["nbytes"] == nbytes
         assert r["seconds"] > 0 and r["gbps"] > 0 and math.isfinite(r["gbps"]), r
@@ -86,7 +105,9 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     assert res["info"]["limits_gbps"] == pytest.approx(limits)
     methods = {r["method"] for r in rows}
     assert ENGINE_METHODS <= methods
-    assert any(m.startswith("seed:") for m in methods) == baselines
+    assert ("p.cpu().clone()" in methods) == baselines
+    # The limit again after the engine's rows, its ratio to the first (how much the machine moved).
+    assert [r["direction"] for r in rows if r["method"] == "limit again"] == ["d2h", "h2d"]
     for r in rows:
         if r["method"] == "limit":
             assert r["ratio"] is None
@@ -99,14 +120,15 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
 
 def check_table(stdout: str, res: dict) -> None:
     """The printed table shows the same methods, GB/s and ratios as the JSON, in the same order."""
-    rows = table_rows(stdout)
+    rows = bench_rows(stdout)
     assert len(rows) == len(res["rows"]), stdout
     for cells, r in zip(rows, res["rows"]):
-        method, direction, ms, gbps, span, ratio, _note = cells
+        method, direction, ms, gbps, span, ratio = cells
         assert method == r["method"], "method names are printed in full (no truncation when piped)"
         assert direction == r["direction"]
         assert gbps == f"{r['gbps']:.3g}" and ms == f"{r['seconds'] * 1e3:.2f}"
-        assert span == f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + (" !" if r["spread"] > 1.5 else "")
+        assert span == ("-" if len(r["samples"]) == 1 else
+                        f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + (" !" if r["spread"] > 1.5 else ""))
         assert ratio == ("" if r["ratio"] is None else f"{r['ratio']:.3g}")
 
 
@@ -135,16 +157,16 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "gpu_offload: snapshot: 9 tensors" in proc.stderr, "bench -v turns on the debug log"
-    assert "tiny-test on cpu: 9 tensors, 0.001 GB" in proc.stdout  # title: layout, device, count, size
+    assert f"tiny-test on cpu: 9 tensors, {TINY_BYTES / 1e9:.3g} GB, 3 repeats" in proc.stdout  # layout, count, size
     header = next(line for line in proc.stdout.splitlines() if "method" in line)
-    for col in ("method", "dir", "ms", "GB/s", "min-max GB/s", "x limit", "note"):
+    for col in ("method", "dir", "ms", "GB/s", "min-max", "x limit"):
         assert col in header
     assert "wrote out/bench.json" in proc.stdout and "wrote out/bench.png" in proc.stdout
 
     data = json.loads((workdir / "out/bench.json").read_text())
     assert {"schema_version", "timestamp", "host", "commit", "torch", "torch_cuda", "driver", "device", "repeats",
             "results", "info"} <= set(data)
-    assert data["schema_version"] == 2 and data["repeats"] == 3 and data["device"] == "cpu"
+    assert data["schema_version"] == 3 and data["repeats"] == 3 and data["device"] == "cpu"
     assert data["torch"] == torch.__version__ and data["timestamp"][:2] == "20"
     assert len(data["results"]) == 1
     res = data["results"][0]
@@ -154,17 +176,21 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     check_table(proc.stdout, res)
     assert data["info"]["build"]["version"] == go.__version__
 
-    # Piped (stdout is not a terminal): one line per finished measurement, printed as each one ends, so
-    # all of them come before the tables, in the order of the rows.
-    lines = proc.stdout.splitlines()
-    first_table = next(i for i, line in enumerate(lines) if "tiny-test on cpu" in line)
-    progress = [line for line in lines[:first_table] if line.startswith("tiny-test: ")]
-    assert len(progress) == len(res["rows"]), lines[:first_table]
-    for line, r in zip(progress, res["rows"]):
-        assert line.startswith(f"tiny-test: {r['method']} ({r['direction']}) {r['gbps']:.3g} GB/s median"), line
-        assert f"min-max {r['gbps_min']:.3g}-{r['gbps_max']:.3g} GB/s" in line and "over 3 repeat(s)" in line
+    # Piped (stdout is not a terminal): each measurement once, in the table (no line per measurement as
+    # well), and what each method does once, under it.
+    for r in res["rows"]:
+        figures = f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}"
+        assert sum(figures in line for line in proc.stdout.splitlines()) == 1, (figures, proc.stdout)
+    legend = proc.stdout.split("\nmethods")[1].splitlines()
+    for method in ("limit", "go.snapshot+wait", "p.cpu().clone()", "copy_ to preallocated"):
+        assert sum(line.split("  ")[0] == method for line in legend) == 1, (method, legend)
     wide = [r for r in res["rows"] if r["spread"] > 1.5]
-    assert ("warning:" in proc.stdout) == bool(wide)
+    assert ("varied more than 1.5x between repeats" in proc.stdout) == bool(wide)
+    # The machine: cores and load average before the run, what other processes used during it.
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"gpu-offload bench {go.__version__} on cpu (") and " cores, load average " in first
+    assert "machine during the run (" in proc.stdout and "cores busy on average" in proc.stdout
+    assert data["load"]["cores"] >= 1 and data["load"]["load_average_end"] is not None
 
     # The Markdown table: the command, the commit, and one row per measurement with the same figures.
     md = (workdir / "out/bench.md").read_text()
@@ -185,6 +211,144 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     # One figure readable at 100 % on a laptop screen (not a strip of panels 2750 px wide).
     assert 1000 <= width <= 1600 and 600 <= height <= 1000, image.shape
     assert float(image[..., :3].std()) > 0.01, "the plot is blank"
+
+
+def test_bench_at_80_columns_keeps_every_method_name_whole(workdir: Path) -> None:
+    """At 80 columns every method can be told apart: names are never cut (no "…"), nothing is wider than
+    the terminal, and the stager's rows fit too."""
+    proc = run_cli("bench", "--layout", "tiny.json", "--repeats", "1", "--stager", "--json", "narrow.json",
+                   cwd=workdir, env=_env(COLUMNS="80"))
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout, proc.stdout
+    assert max(map(len, proc.stdout.splitlines())) <= 80, proc.stdout
+    res = json.loads((workdir / "narrow.json").read_text())["results"][0]
+    check_table(proc.stdout, res)  # every method's name, whole, on its row
+    assert {"ArenaStager first", "ArenaStager steady", "DCP stager first", "DCP stager steady"} <= \
+        {r["method"] for r in res["rows"]}
+
+
+def _row(method: str, direction: str, gbps: float, spread: float = 1.0, ratio: Optional[float] = None):
+    from gpu_offload import bench
+
+    seconds = 1.0 / gbps
+    return bench.Row(method, direction, seconds, 10**9, gbps, ratio, samples=[seconds, seconds * spread],
+                     gbps_min=gbps / spread, gbps_max=gbps,
+                     kind="limit" if method.startswith("limit") else "engine" if method.startswith("go.") else
+                     "baseline")
+
+
+def _result(rows: list, layout: str = "tiny4k"):
+    from gpu_offload import bench
+
+    return bench.Result(layout, "cpu", 10, 10**9, 1, 2, rows=rows)
+
+
+def test_a_limit_that_moved_more_than_its_spread_is_flagged() -> None:
+    from gpu_offload import bench, cli
+
+    steady = _result([_row("limit", "d2h", 3.0, 1.2), _row("limit again", "d2h", 2.7, 1.1)])
+    assert bench.limit_drift(steady) == []  # 1.11x apart: within the 1.2x spread of the repeats
+    moved = _result([_row("limit", "d2h", 3.0, 1.2), _row("limit", "h2d", 3.0, 1.05),
+                     _row("limit again", "d2h", 1.5, 1.1), _row("limit again", "h2d", 3.1, 1.05)])
+    (drift,) = bench.limit_drift(moved)  # d2h halved; h2d moved 3%, under the 10% floor
+    assert drift["direction"] == "d2h" and drift["drift"] == pytest.approx(2.0) and drift["spread"] == 1.2
+    load = {"cores": 2, "load_average_end": [0.1, 0.1, 0.1], "other_processes_cores": 0.0, "seconds": 3.0}
+    lines = cli._bench_summary([moved], torch.device("cpu"), load, 2, ["tiny4k"])
+    assert any(line.startswith("warning: tiny4k: the limit measured before and after the engine's rows differs by "
+                               "more than the spread of its repeats (d2h 3 -> 1.5 GB/s (2.00x, spread 1.20x))")
+               for line in lines), lines
+    assert not any("the machine was busy" in line for line in lines), lines
+
+
+def test_a_busy_machine_is_flagged() -> None:
+    from gpu_offload import bench, cli
+
+    quiet = {"cores": 2, "load_average_start": [3.0, 3.0, 3.0], "load_average_end": [0.2, 0.2, 0.2],
+             "other_processes_cores": 0.1, "seconds": 10.0}
+    assert bench.machine_busy(quiet) is None  # measured during the run: quiet, whatever the load before
+    busy = dict(quiet, other_processes_cores=0.9)  # another process held most of a core
+    assert bench.machine_busy(busy) == "other processes kept 0.9 of its 2 cores busy on average during the run"
+    # Without /proc/stat, the load average at the start decides.
+    assert bench.machine_busy(dict(quiet, other_processes_cores=None)) == \
+        "its load average was 3.0 on 2 cores at the start"
+    assert bench.machine_busy(dict(quiet, other_processes_cores=None, load_average_start=[0.3, 0, 0])) is None
+    lines = cli._bench_summary([_result([_row("limit", "d2h", 3.0)])], torch.device("cpu"), busy, 5, ["tiny4k"])
+    assert "machine during the run (10 s): load average 0.20 at the end; other processes kept 0.9 of its 2 cores busy " \
+           "on average." in lines
+    assert any(line.startswith("warning: the machine was busy (other processes kept 0.9") for line in lines), lines
+    # The monitor itself: this process's own work is not counted as other processes'.
+    monitor = bench.LoadMonitor()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    load = monitor.stop()
+    assert load["cores"] >= 1 and load["seconds"] >= 0.3
+    if load["other_processes_cores"] is not None:
+        assert 0 <= load["other_processes_cores"] <= load["cores"]
+
+
+def test_the_cpu_engine_losing_to_per_tensor_copies_is_said() -> None:
+    from gpu_offload import bench, cli
+
+    load = {"cores": 2, "load_average_end": None, "other_processes_cores": None, "seconds": 1.0}
+    big = _result([_row("limit", "d2h", 3.0), _row("go.snapshot+wait", "d2h", 3.5, ratio=1.17),
+                   _row(bench.COPY_TO, "d2h", 2.0, ratio=0.67)], layout="qwen1.5b")
+    lines = cli._bench_summary([big], torch.device("cpu"), load, 5, ["qwen1.5b"])
+    assert not any("copy_ of the same direction" in line for line in lines), lines
+    # The default run (one layout of large tensors) says where the CPU engine does not do well, and how to see it.
+    assert any(line.startswith("note: qwen1.5b: few, large tensors, where the CPU engine does well. With thousands of "
+                               "small ones (tiny4k, small64k) it can be slower than a preallocated per-tensor copy_")
+               and "--layout all" in line for line in lines), lines
+    small = _result([_row("limit", "d2h", 3.0), _row("go.snapshot+wait", "d2h", 0.6, ratio=0.2),
+                     _row("go.offload", "d2h", 0.06, ratio=0.02), _row(bench.COPY_TO, "d2h", 0.3, ratio=0.1)])
+    lines = cli._bench_summary([small], torch.device("cpu"), load, 5, ["tiny4k"])
+    assert ("note: tiny4k: slower than a preallocated per-tensor copy_ of the same direction (x limit): go.offload "
+            "0.02x against 0.1x.") in lines, lines
+    assert not any("--layout all" in line for line in lines), lines  # it was measured
+
+
+def test_the_plot_reads_linearly_in_order_with_its_version() -> None:
+    """Bars from 0 on a linear axis (their lengths are the ratios), the legend in the order of the bars, every
+    method its own colour and hatching, and the package's version and commit in the title."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from gpu_offload import bench, cli
+
+    rows = [_row("limit", "d2h", 3.0), _row("limit", "h2d", 3.0)]
+    rows += [_row(m, d, 1.0 + i, ratio=(1.0 + i) / 3) for i, (m, d) in enumerate(
+        [("go.snapshot+wait", "d2h"), ("go.restore", "h2d"), ("go.offload", "d2h"), ("go.reload", "h2d"),
+         ("p.cpu().clone()", "d2h"), (bench.COPY_TO, "d2h"), (bench.COPY_FROM, "h2d")])]
+    # The limit again, 80x the first in d2h: under the layout (flagged), not a bar that would set the axis.
+    rows.insert(6, _row("limit again", "d2h", 240.0, ratio=80.0))
+    rows.insert(7, _row("limit again", "h2d", 3.0, ratio=1.0))
+    res = _result(rows)
+    res.info["limits_gbps"] = {"d2h": 3.0, "h2d": 3.0}
+    fig = cli.figure([res], {"package_version": go.__version__, "commit": "abc123", "timestamp": "2026-12-01T00:00"})
+    try:
+        ax = fig.axes[0]
+        assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert legend[0].startswith("limit = 1.0: one contiguous copy")
+        assert legend[1:] == ["go.snapshot+wait (d2h)", "go.restore (h2d)", "go.offload (d2h)", "go.reload (h2d)",
+                              "p.cpu().clone() (d2h)", "copy_ to preallocated (d2h)", "copy_ from preallocated (h2d)"]
+        bars = [p for p in ax.patches]
+        styles = [(tuple(p.get_facecolor()), p.get_hatch()) for p in bars]
+        assert len(set(styles)) == len(styles) == 7
+        assert len({s[0] for s in styles[:4]}) == 4  # four blues, each its own
+        assert f"gpu_offload {go.__version__} (commit abc123)" in ax.get_title()
+        heights = [p.get_height() for p in bars]
+        assert heights == pytest.approx([(1.0 + i) / 3 for i in range(7)])
+        assert ax.get_ylim()[1] < 3, "the limit again is no bar"
+        label = ax.get_xticklabels()[0].get_text()
+        assert label.endswith("limit GB/s:\nd2h 3, h2d 3\nagain after the engine:\nd2h 240 !, h2d 3"), label
+    finally:
+        plt.close(fig)
+    fig = cli.figure([res], {"package_version": go.__version__, "commit": None})
+    try:
+        assert "(installed from a release)" in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
 
 
 def _layout_bytes(name: str, scale: int, itemsize: int) -> tuple[int, int]:
@@ -224,23 +388,120 @@ def test_info(workdir: Path) -> None:
     fields = {row[0]: row[1] for row in table_rows(proc.stdout) if len(row) == 2}
     build = go.build_info()
     assert fields["version"] == go.__version__
-    assert fields["built with CUDA"] == str(build["cuda"])
     from gpu_offload.cli import driver_summary, kernels_summary
 
     assert fields["CUDA driver"] == driver_summary(build)
     assert fields["kernels"] == kernels_summary(build)
+    assert fields["built with CUDA"] == ("yes" if build["cuda"] else "no")
+    assert "CUDA runtime (linked in)" not in fields and "build cuda runtime version" not in fields  # none is
     assert fields["architectures"] == (", ".join(build["cuda_architectures"]) or "-")
-    assert fields["torch / python"].startswith(torch.__version__ + " / 3.")
-    assert fields["CUDA available"] == str(go.cuda_available())
+    assert fields["torch"] == torch.__version__ and fields["python"].startswith("3.")
+    assert fields["CUDA available"] == ("yes" if go.cuda_available() else "no")
     assert (fields["devices"] == "-") == (not go.cuda_available())
-    assert fields["host memory available"].endswith(" GiB") and float(fields["host memory available"][:-4]) > 0
+    # Sizes in one style: KiB, MiB, GiB with three significant digits.
+    assert re.fullmatch(r"[\d.]+ (MiB|GiB|TiB)", fields["host memory available"]), fields
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    assert fields["ulimit -l"] == ("unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.1f} MiB")
-    assert fields["arena max_bytes"] == str(1 << 30)
+    from gpu_offload._bytes import format_bytes
+
+    assert fields["ulimit -l"] == ("unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft))
+    assert fields["arena max_bytes"] == "1 GiB"
     assert fields["arena min slab"] == "64 MiB"
     assert fields["arena pinning"] == "none"
-    assert fields["host copy threads"] == "1"
-    assert fields["gather max bytes"] == str(64 << 10)
+    assert fields["host copy threads"] == "1 (GPU_OFFLOAD_NUM_THREADS)"
+    assert fields["gather max bytes"] == "64 KiB"
+    assert "warning" not in proc.stdout  # every variable set is one gpu_offload reads
+
+
+def test_info_defaults_say_what_they_resolve_to(workdir: Path) -> None:
+    proc = run_cli("info", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    fields = {row[0]: row[1] for row in table_rows(proc.stdout) if len(row) == 2}
+    assert fields["arena max_bytes"] == "none (no cap)"
+    assert fields["arena min slab"] == "256 MiB (default)"
+    resolved = "register (a CUDA device answers)" if go.cuda_available() else "none (no CUDA device)"
+    assert fields["arena pinning"] == f"auto: {resolved}"
+    assert fields["host copy threads"].endswith("(default: one per core, at most 16)")
+    assert fields["gather max bytes"] == "off (every storage through the copy engines)"
+
+
+def test_info_json_and_version(workdir: Path) -> None:
+    env = _env(GPU_OFFLOAD_ARENA_MAX_BYTES="1GiB", GPU_OFFLOAD_MAX_BYTES="8GiB")
+    proc = run_cli("info", "--json", cwd=workdir, env=env)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)  # nothing but the JSON object on stdout
+    assert info["build"] == go.build_info()
+    assert info["torch"] == torch.__version__ and info["cuda_available"] == go.cuda_available()
+    assert info["arena"] == {"max_bytes": 1 << 30, "min_slab_bytes": 256 << 20, "pin": "auto",
+                             "pin_resolved": "register" if go.cuda_available() else "none"}
+    assert info["gather_max_bytes"] == 0 and info["host_threads"] >= 1
+    assert info["environment"] == {"GPU_OFFLOAD_ARENA_MAX_BYTES": "1GiB"}
+    assert info["unknown_environment"] == ["GPU_OFFLOAD_MAX_BYTES is not a gpu_offload setting and is ignored "
+                                           "(did you mean GPU_OFFLOAD_NODE_MAX_BYTES or GPU_OFFLOAD_ARENA_MAX_BYTES?)"]
+    proc = run_cli("--version", cwd=workdir)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    build = go.build_info()
+    fatbin = build["cuda_driver"]["fatbin_architectures"] if build["cuda"] else ""
+    cuda = ("built without CUDA" if not build["cuda"] else
+            "CUDA on the driver API, " + (f"kernels for {fatbin}" if fatbin else "kernels by NVRTC at first use"))
+    assert proc.stdout == (f"gpu-offload {go.__version__} ({cuda}; torch {torch.__version__}, "
+                           f"Python {platform.python_version()})\n")
+
+
+def test_unknown_variables_are_flagged(workdir: Path) -> None:
+    """A typo is ignored by the library: `info` (and `bench`) say so, and the default arena logs a warning."""
+    env = _env(GPU_OFFLOAD_MAX_BYTES="8GiB", GPU_OFFLOAD_PINN="none")
+    proc = run_cli("info", cwd=workdir, env=env)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: GPU_OFFLOAD_MAX_BYTES is not a gpu_offload setting and is ignored (did you mean "
+                        "GPU_OFFLOAD_NODE_MAX_BYTES or GPU_OFFLOAD_ARENA_MAX_BYTES?)",
+                        "warning: GPU_OFFLOAD_PINN is not a gpu_offload setting and is ignored (did you mean "
+                        "GPU_OFFLOAD_PIN?)"], proc.stdout
+    code = "import logging, gpu_offload\nlogging.basicConfig()\ngpu_offload.default_arena()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING:gpu_offload:GPU_OFFLOAD_MAX_BYTES is not a gpu_offload setting and is ignored (did you mean " \
+           "GPU_OFFLOAD_NODE_MAX_BYTES or GPU_OFFLOAD_ARENA_MAX_BYTES?)" in proc.stderr.splitlines(), proc.stderr
+
+
+# Where the package, its build and its tests read environment variables: os.environ / getenv with a quoted
+# name, _env_int("...") and _env_arena_bytes("..."), C's getenv("...") and a C++ env("...") helper in the sources; assignments and
+# expansions ($NAME, ${NAME:-default}) in the Makefile and the shell scripts.
+_ENV_READS = re.compile(r"""(?:environ(?:\.get|\.pop|\.setdefault)?\(?\[?|getenv\(|_env_int\(|_env_arena_bytes\(|\benv\()\s*["']"""
+                        r"""(GPU_OFFLOAD_[A-Z0-9_]+)["']""")
+_ENV_SETS = re.compile(r"(?:^|[\s;(])(GPU_OFFLOAD_[A-Z0-9_]+)=|\$\{?(GPU_OFFLOAD_[A-Z0-9_]+)", re.MULTILINE)
+
+
+def test_every_variable_read_is_known_and_every_known_one_is_read() -> None:
+    """gpu_offload._env.VARIABLES is the one list of GPU_OFFLOAD_* names (what `info` flags against): a
+    variable read anywhere in the package, the build or the tests must be in it, and each name in it must
+    be read somewhere."""
+    from gpu_offload import _env
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("gpu_offload/**/*.py"), *root.glob("csrc/**/*.[ch]pp"), *root.glob("csrc/**/*.cu"),
+               root / "setup.py", *root.glob("benchmarks/*.py"), *root.glob("tests/**/*.py"), *root.glob("examples/*.py")]
+    scripts = [root / "Makefile", root / ".ci" / "run", *root.glob("benchmarks/*.sh")]
+    read: dict[str, str] = {}
+    for files, pattern in ((sources, _ENV_READS), (scripts, _ENV_SETS)):
+        for f in files:
+            if f.is_file() and f.name != "_env.py":
+                for m in pattern.finditer(f.read_text()):
+                    read.setdefault(next(g for g in m.groups() if g), str(f.relative_to(root)))
+    assert "GPU_OFFLOAD_NUM_THREADS" in read and "GPU_OFFLOAD_CUDA_ARCHS" in read, read  # the scan sees C and setup
+    unknown = {name: where for name, where in read.items() if name not in _env.VARIABLES}
+    assert not unknown, f"add these to gpu_offload/_env.py VARIABLES: {unknown}"
+    unread = sorted(set(_env.VARIABLES) - set(read))
+    assert not unread, f"listed in gpu_offload/_env.py but read nowhere: {unread}"
+
+
+def test_repeats_help_shows_its_default(workdir: Path) -> None:
+    from gpu_offload import cli
+
+    text = " ".join(cli._parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    entry = text.split("--repeats REPEATS ")[1].split(" --")[0]
+    assert entry.startswith("timed repetitions per method") and entry.endswith("(default: 5)"), entry
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -57,9 +57,11 @@ def test_arena_cap_is_hard_and_reports_sizes(device):
     arena = go.Arena(max_bytes=4096, min_slab_bytes=4096)
     small = go.snapshot({"a": torch.zeros(512, device=device)}, arena=arena)  # 2 KiB
     used, capacity = arena.used_bytes, arena.capacity_bytes
-    with pytest.raises(go.OffloadError, match=r"arena cap exceeded.*max_bytes 4096 bytes.*"
-                       r"the regions in use leave too little room under the cap"):
+    with pytest.raises(go.OffloadError) as err:
         go.snapshot({"a": torch.zeros(1024, device=device)}, arena=arena)
+    # Sizes a person reads, and none of the C++ check's text: the cap is the user's setting.
+    assert str(err.value) == ("arena cap exceeded: a region of 4 KiB does not fit; in use 2 KiB, capacity 4 KiB, "
+                              "max_bytes 4 KiB (the regions in use leave too little room under the cap)")
     state = {"a": torch.ones(1024, device=device)}
     with pytest.raises(go.OffloadError, match="arena cap exceeded"):
         go.offload(state, arena=arena)
@@ -74,7 +76,8 @@ def test_arena_cap_error_says_why(device):
     """The reason matches the arena's state: empty (the region is larger than the cap), or enough free bytes
     split into blocks too small for the region (not "too little room")."""
     empty = go.Arena(max_bytes=4096, min_slab_bytes=4096)
-    with pytest.raises(go.OffloadError, match="in use 0 bytes.*the region alone is larger than max_bytes"):
+    with pytest.raises(go.OffloadError, match=r"a region of 8 KiB does not fit; in use 0 B, capacity 0 B, max_bytes "
+                       r"4 KiB \(the region alone is larger than max_bytes\)$"):
         go.snapshot({"a": torch.zeros(2048, device=device)}, arena=empty)  # 8 KiB
     align = int(go._C.ARENA_ALIGNMENT)
     arena = go.Arena(max_bytes=4 * align, min_slab_bytes=4 * align)
@@ -82,7 +85,7 @@ def test_arena_cap_error_says_why(device):
     snaps = [go.snapshot({"a": torch.zeros(n, device=device)}, arena=arena).wait() for _ in range(4)]
     snaps[0].free()
     snaps[2].free()  # two free blocks of one alignment unit each, apart
-    with pytest.raises(go.OffloadError, match=f"enough free bytes in total, but the largest free block is {align} "):
+    with pytest.raises(go.OffloadError, match=f"enough free bytes in total, but the largest free block is {align} B "):
         go.snapshot({"a": torch.zeros(2 * n, device=device)}, arena=arena)
     for s in (snaps[1], snaps[3]):
         s.free()
@@ -92,7 +95,8 @@ def test_pinning_more_than_the_machine_has_is_refused(arena):
     import gpu_offload._ext as ext
 
     too_much = ext._C.available_host_memory() + (64 << 30)
-    with pytest.raises(go.OffloadError, match="available"):
+    with pytest.raises(go.OffloadError, match=r"^refusing to pin \d.* (KiB|MiB|GiB|TiB): the machine has only .* "
+                       r"available .*lower the arena's max_bytes$"):  # no check text: the user's limit
         arena.reserve(too_much)
     assert arena.capacity_bytes == 0
 
@@ -307,3 +311,70 @@ def test_a_cached_plan_sees_a_tensor_become_a_conjugate_view(arena):
     with pytest.raises(go.OffloadError, match=r"z: a conjugate view"):
         go.snapshot(state, arena=arena)
     assert arena.used_bytes == 0
+# ------------------------------------------------------------------------------ layout errors that say what to do
+
+
+class _LM(torch.nn.Module):
+    def __init__(self, tied: bool, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4, dtype=dtype)
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(4, 4, dtype=dtype) for _ in range(5)])
+        self.lm_head = torch.nn.Linear(4, 16, bias=False, dtype=dtype)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+
+def _mismatch(snapshot_of: torch.nn.Module, target: torch.nn.Module) -> str:
+    with go.snapshot(snapshot_of) as snap, pytest.raises(go.LayoutMismatchError) as err:
+        go.restore(target, snap)
+    return str(err.value)
+
+
+def test_tied_into_untied_names_the_tensors_and_says_what_to_do():
+    message = _mismatch(_LM(tied=True), _LM(tied=False))
+    assert ("embed.weight and lm_head.weight share one storage in the snapshot (tied weights, or views of one "
+            "tensor) but are separate in the target: tie them in the target as in the snapshot "
+            "(e.g. target.lm_head.weight = target.embed.weight") in message, message
+    message = _mismatch(_LM(tied=False), _LM(tied=True))
+    assert "embed.weight and lm_head.weight share one storage in the target but are separate in the snapshot: untie" \
+        in message, message
+
+
+def test_a_dtype_mismatch_is_one_short_line():
+    """A model built in another dtype differs in every tensor the same way: one line for all of them (the
+    storage sizes that the dtype explains are not listed again)."""
+    message = _mismatch(_LM(tied=False), _LM(tied=False, dtype=torch.bfloat16))
+    lines = message.splitlines()
+    assert lines == ["target layout differs from the snapshot:",
+                     "  dtype torch.bfloat16 in target, torch.float32 in snapshot for 12 tensors: embed.weight, "
+                     "body.0.weight, body.0.bias (+9 more)"], message
+
+
+def test_one_line_per_kind_of_difference():
+    snap_of = {"a": torch.zeros(4, 4), "b": torch.zeros(4, 4), "c": torch.zeros(3), "d": torch.zeros(2)}
+    target = {"a": torch.zeros(4, 5), "b": torch.zeros(5, 4), "c": torch.zeros(3, dtype=torch.float64),
+              "d": torch.zeros(2, dtype=torch.float64)}
+    lines = _mismatch_dict(snap_of, target).splitlines()[1:]
+    assert lines == ["  a: shape (4, 5) in target, (4, 4) in snapshot; 1 more tensor differs in shape: b",
+                     "  dtype torch.float64 in target, torch.float32 in snapshot for 2 tensors: c, d"], lines
+
+
+def _mismatch_dict(snapshot_of: dict, target: dict) -> str:
+    with go.snapshot(snapshot_of) as snap, pytest.raises(go.LayoutMismatchError) as err:
+        go.restore(target, snap)
+    return str(err.value)
+
+
+def test_torch_compile_names_get_a_hint():
+    model = _LM(tied=False)
+    compiled = torch.compile(model)  # an OptimizedModule: its parameters are model's, named `_orig_mod.<name>`
+    assert next(iter(dict(compiled.named_parameters()))).startswith("_orig_mod.")
+    message = _mismatch(compiled, _LM(tied=False))
+    assert ("the snapshot is of a torch.compile'd module (its names have `_orig_mod.`) and the target is not: "
+            "restore into the compiled module, or snapshot the original one (`compiled._orig_mod`)") in message
+    message = _mismatch(model, torch.compile(_LM(tied=False)))
+    assert ("the target is a torch.compile'd module (its names have `_orig_mod.`) and the snapshot is of the "
+            "original module: restore into the original one (`compiled._orig_mod`), or snapshot the compiled one") \
+        in message
+    with go.snapshot(model) as snap:  # what the hint says works
+        go.restore(compiled._orig_mod, snap)

@@ -746,3 +746,171 @@ def test_a_lone_surrogate_in_the_layout_is_an_offload_error(saved, tmp_path, are
     bad = tmp_path / "bad.snap"
     bad.write_bytes(len(text).to_bytes(8, "little") + text + raw[end:])
     _assert_refused(bad, arena, "not valid text")
+# ------------------------------------------------------------------------------ errors that name the user's path
+
+
+@pytest.mark.parametrize("write", ["save", "save_state_dict"])
+def test_a_missing_directory_names_the_path_given_not_the_temporary(tmp_path, arena, write):
+    path = tmp_path / "no" / "such" / "x.snap"
+    with go.snapshot({"a": torch.zeros(3)}, arena=arena) as snap, pytest.raises(FileNotFoundError) as info:
+        getattr(go, write)(snap, path)
+    message = str(info.value)
+    assert info.value.filename == str(path) and ".tmp-" not in message, message
+    assert f"cannot save to {path}: the directory {tmp_path / 'no' / 'such'} does not exist" in message, message
+
+
+# ------------------------------------------------------------------------------ progress of long saves and loads
+
+
+def test_long_saves_and_loads_log_progress_at_info(tmp_path, arena, monkeypatch, caplog):
+    import logging
+
+    path = tmp_path / "x.snap"
+    state = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(10)}  # 10 storages of 256 KiB
+    with go.snapshot(state, arena=arena) as snap, caplog.at_level(logging.INFO, logger="gpu_offload"):
+        go.save(snap, path)  # 2.5 MiB: under the threshold, nothing at INFO
+        assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+        monkeypatch.setattr(persist, "_PROGRESS_MIN_BYTES", 1 << 20)
+        monkeypatch.setattr(persist, "_PROGRESS_INTERVAL_S", 0.0)
+        go.save(snap, path)
+        go.load(path, arena=arena).free()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert lines[0] == f"saving {path}: 2.5 MiB", lines
+    assert [line.split(": ")[1].split(" ")[0] for line in lines[1:10]] == [f"{p}%" for p in range(10, 100, 10)], lines
+    assert lines[10].startswith(f"saved {path}: 2.5 MiB in "), lines
+    assert lines[11] == f"loading {path}: 2.5 MiB", lines
+    assert lines[-1].startswith(f"loaded and checked {path}: 2.5 MiB in "), lines
+    assert len(lines) == 22, lines  # a line per tenth each way, no more
+
+
+# ------------------------------------------------------------------------------ plain safetensors state dicts
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 32, bias=False)
+        self.register_buffer("steps", torch.tensor([3], dtype=torch.int64))
+        self.register_buffer("cache", torch.ones(4), persistent=False)  # not part of state_dict()
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+
+def _values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_save_state_dict_loads_with_load_file_and_load_state_dict(tmp_path, arena):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _TiedLM(tied=False)
+    path = tmp_path / "model.safetensors"
+    with go.snapshot(model, arena=arena) as snap:
+        go.save_state_dict(snap, path)
+    fresh = _TiedLM(tied=False)
+    fresh.load_state_dict(load_file(path))  # strict: exactly the model's state_dict() names
+    for name, value in _values(model).items():
+        assert_bitwise_equal(fresh.state_dict()[name], value)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert "cache" not in f.keys()  # a non-persistent buffer is no part of the state dict
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # no temporary left
+
+
+def test_save_state_dict_writes_tied_weights_once_as_save_model_does(tmp_path, arena):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model
+
+    torch.manual_seed(0)
+    model = _TiedLM(tied=True)
+    path = tmp_path / "model.safetensors"
+    with go.snapshot(model, arena=arena) as snap:
+        go.save_state_dict(snap, path)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "lm_head.weight": "embed.weight"}
+        assert "lm_head.weight" not in f.keys() and "embed.weight" in f.keys()
+    fresh = _TiedLM(tied=True)
+    load_model(fresh, str(path))  # strict, with the aliases of the metadata
+    assert_bitwise_equal(fresh.lm_head.weight, model.embed.weight)
+    fresh = _TiedLM(tied=True)
+    missing, unexpected = fresh.load_state_dict(load_file(path), strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # the alias, tied to what was loaded
+    for name, value in _values(model).items():
+        assert_bitwise_equal(fresh.state_dict()[name], value)
+
+
+def test_save_state_dict_of_views_and_dtypes(tmp_path, arena):
+    """A state dict target: every name once with its own values, strided views made contiguous, exact
+    aliases written once; the file as safetensors.torch.save_file would write it."""
+    from safetensors.torch import load_file
+
+    state = _state(torch.device("cpu"))
+    state["alias"] = state["base"]  # the same tensor under a second name
+    path = tmp_path / "state.safetensors"
+    with go.snapshot(state, arena=arena) as snap:
+        go.save_state_dict(snap, path, metadata={"step": 7})
+    loaded = load_file(path)
+    assert sorted(loaded) == sorted(k for k in state if k != "alias")
+    for name, value in state.items():
+        if name != "alias":
+            assert_bitwise_equal(loaded[name], value)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "step": "7", "alias": "base"}
+
+
+def test_save_state_dict_is_atomic_and_refuses_what_is_no_state_dict(tmp_path, arena, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    with go.snapshot({"a": torch.zeros(100)}, arena=arena) as snap:
+        go.save_state_dict(snap, path)
+    before = path.read_bytes()
+
+    def failing_replace(src, dst):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(persist.os, "replace", failing_replace)
+    with go.snapshot({"a": torch.ones(100)}, arena=arena) as snap, pytest.raises(OSError, match="injected"):
+        go.save_state_dict(snap, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    with go.snapshot({"c": torch.zeros(2, dtype=torch.complex128)}, arena=arena) as snap, \
+            pytest.raises(go.OffloadError, match="c is torch.complex128, which safetensors cannot store"):
+        go.save_state_dict(snap, path)
+    snap = go.snapshot({"a": torch.zeros(2)}, arena=arena)
+    snap.free()
+    with pytest.raises(go.OffloadError, match="freed"):
+        go.save_state_dict(snap, path)
+    assert path.read_bytes() == before
+
+
+def test_save_state_dict_loads_into_a_fresh_hugging_face_model(tmp_path, arena):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install "
+                                       "'gpu-offload[test]' brings it)")
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with go.snapshot(model, arena=arena) as snap:  # the module, as a training loop snapshots it
+        go.save_state_dict(snap, tmp_path / "model.safetensors")
+    model.config.save_pretrained(tmp_path)
+    want = _values(model)
+    # load_file + load_state_dict into a fresh model: only the tied lm_head.weight is not in the file.
+    fresh = transformers.LlamaForCausalLM(config)
+    missing, unexpected = fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    for name, value in want.items():
+        assert_bitwise_equal(fresh.state_dict()[name], value)
+    # from_pretrained of the directory: the same values, the weights still tied.
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for name, value in want.items():
+        assert_bitwise_equal(loaded.state_dict()[name], value)

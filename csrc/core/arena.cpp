@@ -36,9 +36,22 @@ std::size_t round_up(std::size_t n, std::size_t to) {
   return (n + to - 1) / to * to;
 }
 
+// A size for people, as gpu_offload._bytes.format_bytes writes it: powers of 1024, three significant digits
+// (512 B, 1.2 KiB, 3.31 GiB).
 std::string human(std::size_t bytes) {
+  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%zu bytes (%.2f GiB)", bytes, bytes / double(1u << 30));
+  if (unit == 0) {
+    std::snprintf(buf, sizeof(buf), "%zu B", bytes);
+  } else {
+    std::snprintf(buf, sizeof(buf), value < 1000 ? "%.3g %s" : "%.0f %s", value, kUnits[unit]);
+  }
   return buf;
 }
 
@@ -401,10 +414,12 @@ std::size_t HostArena::next_slab_size(std::size_t size) const {
 
 void HostArena::grow(std::size_t size, int numa_node) {
   const std::size_t available = available_host_memory();
-  GO_CHECK(available == 0 || size <= available,
-           "refusing to pin " + human(size) + ": the machine has only " + human(available) +
-               " available (MemAvailable, or the memory cgroup's headroom if lower); free host memory or "
-               "lower the arena's max_bytes");
+  // A refusal the user acts on (not a broken invariant): the message alone, without the check's text.
+  if (available != 0 && size > available) {
+    throw Error("refusing to pin " + human(size) + ": the machine has only " + human(available) +
+                " available (MemAvailable, or the memory cgroup's headroom if lower); free host memory or "
+                "lower the arena's max_bytes");
+  }
   NodeLedger& ledger = NodeLedger::instance();
   ledger.reserve(size);  // before anything is pinned: throws naming the node's users when over the budget
   const std::size_t notes_before = notes_.size();
@@ -622,7 +637,8 @@ std::uintptr_t HostArena::allocate(std::size_t num_bytes, int numa_node) {
         }
       }
     }
-    GO_CHECK(capacity_bytes_ + size <= max_bytes_, cap_message(size));
+    // A refusal the user acts on (not a broken invariant): the message alone, without the check's text.
+    if (capacity_bytes_ + size > max_bytes_) throw Error(cap_message(size));
     slab_size = std::min(slab_size, max_bytes_ - capacity_bytes_);
   }
   try {

@@ -211,6 +211,9 @@ TEST_CASE(the_cap_message_says_why) {
   }
   CHECK(what.find("larger than max_bytes") != std::string::npos);
   CHECK(what.find("largest free block") == std::string::npos);
+  // Sizes a person reads, and no check text: the cap is the user's setting, not a broken invariant.
+  CHECK(what.find("a region of 5 MiB does not fit; in use 0 B, capacity 0 B, max_bytes 4 MiB") != std::string::npos);
+  CHECK(what.find("check `") == std::string::npos && what.find("arena.cpp") == std::string::npos);
   arena.reserve(4 * kMiB);  // one slab: the whole cap
   auto a = arena.allocate(kMiB), b = arena.allocate(kMiB), c = arena.allocate(kMiB);
   arena.free(b);  // 2 MiB free in all, 1 MiB of it in a hole
@@ -220,7 +223,7 @@ TEST_CASE(the_cap_message_says_why) {
   } catch (const gpu_offload::Error& e) {
     what = e.what();
   }
-  CHECK(what.find("in use 2097152 bytes") != std::string::npos);
+  CHECK(what.find("in use 2 MiB") != std::string::npos);
   CHECK(what.find("largest free block") != std::string::npos);
   arena.free(a);
   arena.free(c);
@@ -248,7 +251,7 @@ TEST_CASE(trim_keeps_a_slab_it_cannot_release) {
     what = e.what();
   }
   gpu_offload::testing::before_slab_release = nullptr;
-  CHECK(what.find("injected") != std::string::npos && what.find("released 2097152 bytes") != std::string::npos);
+  CHECK(what.find("injected") != std::string::npos && what.find("released 2 MiB") != std::string::npos);
   auto s = arena.stats();
   CHECK(s.num_slabs == 1 && s.capacity_bytes == 2 * kMiB && s.num_free_blocks == 1);
   CHECK(s.largest_free_block_bytes == 2 * kMiB);
