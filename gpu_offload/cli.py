@@ -439,7 +439,9 @@ def driver_summary(build: dict) -> str:
     if not d:
         return "-"
     if not d["driver"]:
-        return "none" + (" (simulated)" if d["driver_source"] == "simulated" else "")
+        # Why there is none (no libcuda.so.1, a driver older than R535, cuInit refused): the CPU path still works.
+        why = f": {d['driver_error']}" if d.get("driver_error") else ""
+        return "none" + (" (simulated)" if d["driver_source"] == "simulated" else "") + why
     v = d["driver_version"]
     how = "batched copies" if d["batched_copies"] else "one call per copy"
     return f"{v // 1000}.{v % 1000 // 10}, {how}" + (" (simulated)" if d["driver_source"] == "simulated" else "")
@@ -450,14 +452,16 @@ def kernels_summary(build: dict) -> str:
     d = build.get("cuda_driver")
     if not d:
         return "-"
-    loaded = ", ".join(f"cuda:{k['device']} {k['source']} {k['arch']}" for k in d["devices"])
+    off = "copy engines only, GPU checksums refused"
+    loaded = ", ".join(f"cuda:{k['device']} {k['source']} {k['arch']}" +
+                       (f" (off: {off}; {k['error']})" if k["source"] == "none" else "") for k in d["devices"])
     if loaded:
         return loaded
     if d["fatbin_architectures"]:
         return "fatbin"
     if d["nvrtc_path"]:
         return f"NVRTC {d['nvrtc_version']} at first use"
-    return "none: copy engines only"
+    return f"none: {off}" + (f" ({d['nvrtc_error']})" if d.get("nvrtc_error") else "")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
