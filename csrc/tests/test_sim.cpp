@@ -363,6 +363,7 @@ TEST_CASE(sim_chunk_table_pool_is_bounded_and_waits_for_the_oldest) {
   for (auto& e : events) e->synchronize();
   CHECK(sim::calls("cuMemHostAlloc") - before == cuda::kMaxPooledBlocks);
   for (std::size_t i = 0; i < n; ++i) CHECK(storages[i].host_is(regions[i], 20 + i));
+  CHECK(sim::spinning_waits() == 0);  // the wait for the oldest table, and the caller's, sleep
 }
 
 TEST_CASE(sim_multi_device_plans) {
@@ -514,6 +515,7 @@ TEST_CASE(sim_event_synchronize_blocks_until_the_copy_ran) {
   sim::release(held);
   t.join();
   CHECK(done->query() && s.host_is(region, 44));
+  CHECK(sim::calls("cuEventSynchronize") >= 1 && sim::spinning_waits() == 0);  // it slept: blocking sync
 }
 
 TEST_CASE(sim_checksum_kernel_matches_the_host) {
@@ -551,6 +553,7 @@ TEST_CASE(sim_checksum_pool_is_bounded) {
   }
   CHECK(sim::calls("cuMemHostAlloc") - before == cuda::kMaxPooledBlocks);
   for (std::size_t i = 0; i < jobs.size(); ++i) CHECK(jobs[i]->wait() == expected[i]);  // taken-over blocks too
+  CHECK(sim::spinning_waits() == 0);  // waits for a taken-over block and for the sums sleep
 }
 
 TEST_CASE(sim_kernels_off_leaves_the_copy_engines) {
