@@ -739,6 +739,14 @@ CUresult sim_cuModuleLoadData(CUmodule* out, const void* image) {
     }
   } else if (magic == 0xBA55ED50u) {
     m->kind = "fatbin";
+    // Header: magic, version (2 bytes), header size (2), then the size of what follows (8). nvcc does not
+    // compress by default, so the entry points' names are in there: search all of it.
+    const auto* b = static_cast<const unsigned char*>(image);
+    std::uint16_t header = 0;
+    std::uint64_t size = 0;
+    std::memcpy(&header, b + 6, 2);
+    std::memcpy(&size, b + 8, 8);
+    m->names.assign(reinterpret_cast<const char*>(b), header + size);
   } else if (image_is(image, "\x7f" "ELF", 4)) {
     m->kind = "cubin";
     // The symbol names are in the section headers' string tables: search the whole ELF file.
@@ -766,7 +774,12 @@ CUresult sim_cuModuleGetFunction(CUfunction* out, CUmodule module, const char* n
   SIM_HOOK(cuModuleGetFunction);
   const std::string n = name;
   if (n != "gather_chunks" && n != "checksum_kernel") return kErrorNotFound;
-  if (!module->names.empty() && module->names.find(n) == std::string::npos) return kErrorNotFound;
+  if (!module->names.empty()) {
+    // In an ELF image (a cubin, or the fatbin's) a symbol is a whole string-table entry: a C++-mangled
+    // name (_Z13gather_chunks...) is not found by the real driver, and not here either.
+    const std::string entry = module->kind == "ptx" ? n : std::string(1, '\0') + n + '\0';
+    if (module->names.find(entry) == std::string::npos) return kErrorNotFound;
+  }
   auto* f = new CUfunc_st();
   f->module = module;
   f->name = n;
