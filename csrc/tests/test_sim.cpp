@@ -187,6 +187,20 @@ TEST_CASE(sim_batched_copies_follow_the_driver_version_not_the_table) {
   CHECK(sim::calls("cuMemcpyBatchAsync") == 0);
 }
 
+TEST_CASE(sim_batched_copies_can_be_turned_off) {
+  // GPU_OFFLOAD_BATCHED_COPIES=0: a 13.0 driver runs the per-copy path older drivers get.
+  setenv("GPU_OFFLOAD_BATCHED_COPIES", "0", 1);
+  start();
+  CHECK(!drv::driver_state().batched_copies);
+  Storages s(0, kMixed, 4);
+  HostArena arena(0, 8u << 20, PinMode::kRegister);
+  const std::uintptr_t region = arena.allocate(s.extent);
+  s.plan(0).run(Direction::kToHost, region, sim::stream_create(0), {}, true)->synchronize();
+  CHECK(s.host_is(region, 4));
+  CHECK(sim::calls("cuMemcpyBatchAsync") == 0);
+  CHECK(sim::calls("cuMemcpyAsync") == kMixed.size());
+}
+
 TEST_CASE(sim_fork_orders_kernel_and_engines_after_the_callers_stream) {
   // Work the caller enqueued before the snapshot (a fill, held back by a gate) must be in the snapshot:
   // both the copy engines and the kernel stream are ordered after it.
