@@ -75,6 +75,8 @@ py::dict backend_info() {
   d["num_deferred_pins"] = i.num_deferred_pins;
   d["num_failed_pins"] = i.num_failed_pins;
   d["pin_error"] = i.pin_error;
+  d["num_batch_fallbacks"] = i.num_batch_fallbacks;
+  d["batch_error"] = i.batch_error;
   return d;
 }
 

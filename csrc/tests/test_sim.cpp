@@ -315,6 +315,8 @@ TEST_CASE(sim_refused_batched_copy_falls_back_to_single_copies) {
   s.plan(0).run(Direction::kToHost, region, sim::stream_create(0), {}, true)->synchronize();
   CHECK(s.host_is(region, 10));
   CHECK(sim::calls("cuMemcpyAsync") == 3);
+  const auto info = cuda::info();  // counted, so that a driver refusing every batch does not go unseen
+  CHECK(info.num_batch_fallbacks == 1 && info.batch_error.find("CUDA_ERROR_NOT_SUPPORTED") != std::string::npos);
 }
 
 TEST_CASE(sim_chunk_table_is_not_reused_while_its_kernel_runs) {
