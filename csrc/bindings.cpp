@@ -76,6 +76,8 @@ py::dict backend_info() {
   d["num_deferred_pins"] = i.num_deferred_pins;
   d["num_failed_pins"] = i.num_failed_pins;
   d["pin_error"] = i.pin_error;
+  d["num_batch_fallbacks"] = i.num_batch_fallbacks;
+  d["batch_error"] = i.batch_error;
   return d;
 }
 
@@ -121,6 +123,7 @@ void bind_sim(py::module_& m) {
   s.def("host_mapped", &sim::host_mapped, py::arg("ptr"), py::arg("num_bytes"));
   s.def("primary_context_active", &drv::primary_context_active, py::arg("device"));
   s.def("kernel_launches", &sim::kernel_launches);
+  s.def("spinning_waits", &sim::spinning_waits);
   s.def(
       "read",
       [](std::uintptr_t ptr, std::size_t n) { return py::bytes(reinterpret_cast<const char*>(ptr), n); },

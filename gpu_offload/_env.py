@@ -27,6 +27,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "GPU_OFFLOAD_NUM_THREADS": ("run", "threads of the host copy pool"),
     "GPU_OFFLOAD_GATHER_MAX_BYTES": ("run", "storages up to this size go through the gather kernel"),
     "GPU_OFFLOAD_KERNELS": ("run", "where the kernels come from: auto, fatbin, nvrtc, off"),
+    "GPU_OFFLOAD_BATCHED_COPIES": ("run", "0: one cuMemcpyAsync per copy even where the driver batches"),
     "GPU_OFFLOAD_NVRTC": ("run", "the libnvrtc to compile the kernels with"),
     "GPU_OFFLOAD_CACHE_DIR": ("run", "where NVRTC's compiled kernels are cached (default ~/.cache/gpu_offload)"),
     "GPU_OFFLOAD_TORCH_EXT": ("build", "the torch-aware helper: auto, 1 or 0 (0 at run time: the pure-Python path)"),

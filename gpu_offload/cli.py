@@ -585,7 +585,9 @@ def driver_summary(build: dict) -> str:
         return "-"
     simulated = " (simulated)" if d["driver_source"] == "simulated" else ""
     if not d["driver"]:
-        return "none" + simulated
+        # Why there is none (no libcuda.so.1, a driver older than R535, cuInit refused): the CPU path still works.
+        why = f": {d['driver_error']}" if d.get("driver_error") else ""
+        return "none" + simulated + why
     how = "batched copies" if d["batched_copies"] else "one call per copy"
     return f"{_cuda_version(d['driver_version'])}, {how}{simulated}"
 
@@ -595,14 +597,16 @@ def kernels_summary(build: dict) -> str:
     d = build.get("cuda_driver")
     if not d:
         return "-"
-    loaded = ", ".join(f"cuda:{k['device']} {k['source']} {k['arch']}" for k in d["devices"])
+    off = "copy engines only, GPU checksums refused"
+    loaded = ", ".join(f"cuda:{k['device']} {k['source']} {k['arch']}" +
+                       (f" (off: {off}; {k['error']})" if k["source"] == "none" else "") for k in d["devices"])
     if loaded:
         return loaded
     if d["fatbin_architectures"]:
         return "fatbin"
     if d["nvrtc_path"]:
         return f"NVRTC {d['nvrtc_version']} at first use"
-    return "none: copy engines only"
+    return f"none: {off}" + (f" ({d['nvrtc_error']})" if d.get("nvrtc_error") else "")
 
 
 def _host_memory_rows(info: dict) -> list[tuple[str, str]]:

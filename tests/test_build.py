@@ -59,6 +59,26 @@ def test_import_works_without_touching_cuda():
     assert out.stdout.strip() == "False"
 
 
+def test_the_driver_is_loaded_at_first_use_not_at_import():
+    # With the simulated driver chosen (GPU_OFFLOAD_SIM), _sim.enabled() is true only once the driver table
+    # was loaded: importing the package and a CPU snapshot leave it unloaded; the first CUDA question loads it.
+    if not go.build_info()["cuda"]:
+        import pytest
+
+        pytest.skip("a CPU-only build has no driver table")
+    code = (
+        "import torch, gpu_offload as go\n"
+        "from gpu_offload._ext import _C\n"
+        "s = go.snapshot({'a': torch.arange(5.)}, arena=go.Arena(pin='none'))\n"
+        "print(_C._sim.enabled())\n"
+        "print(go.cuda_available(), _C._sim.enabled())\n"
+    )
+    env = dict(os.environ, GPU_OFFLOAD_SIM="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
+
+
 def test_forked_child_copies_without_the_parents_threads():
     # The host path splits large copies over a thread pool; a fork()ed child has none of its workers (and
     # may inherit its locks in any state), so the pool runs jobs serially there. This checks the child's

@@ -648,3 +648,23 @@ def test_bad_option(case: str, workdir: Path, monkeypatch: pytest.MonkeyPatch, c
         returncode = exc.code
     captured = capsys.readouterr()
     _check_error(case, returncode, captured.out, captured.err)
+
+
+def test_info_says_why_there_is_no_driver_or_no_kernels() -> None:
+    # `info` gives the reason next to "none": the driver's load error, and for kernels that are off, that
+    # the copy engines do every copy and GPU checksums are refused, with the loader's reason.
+    from gpu_offload.cli import driver_summary, kernels_summary
+
+    base = {"driver": False, "driver_source": "", "driver_error": "no CUDA driver: dlopen(libcuda.so.1) failed",
+            "driver_version": 0, "batched_copies": False, "fatbin_architectures": "", "nvrtc_path": "",
+            "nvrtc_version": "", "nvrtc_error": "no libnvrtc found", "devices": []}
+    assert driver_summary({"cuda_driver": base}) == "none: no CUDA driver: dlopen(libcuda.so.1) failed"
+    assert kernels_summary({"cuda_driver": base}) == \
+        "none: copy engines only, GPU checksums refused (no libnvrtc found)"
+    on = dict(base, driver=True, driver_version=12040, devices=[
+        {"device": 0, "source": "fatbin", "arch": "sm_90", "error": ""},
+        {"device": 1, "source": "none", "arch": "sm_70", "error": "GPU_OFFLOAD_KERNELS=off"}])
+    assert driver_summary({"cuda_driver": on}) == "12.4, one call per copy"
+    assert kernels_summary({"cuda_driver": on}) == (
+        "cuda:0 fatbin sm_90, cuda:1 none sm_70 (off: copy engines only, GPU checksums refused; "
+        "GPU_OFFLOAD_KERNELS=off)")

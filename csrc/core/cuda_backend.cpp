@@ -239,6 +239,18 @@ void enqueue_kernel_copies(const Batch& batch, CUstream stream, DeviceEngine& de
   GO_CU(cuEventRecord, table.block.done, stream);
 }
 
+// Refusals of cuMemcpyBatchAsync: the copies still happen, one by one, so a driver that refuses every batch
+// would only be slower; counted, for build_info() and the GPU tests.
+struct BatchFallbacks {
+  std::mutex mutex;
+  std::size_t count = 0;
+  std::string last_error;
+};
+BatchFallbacks& batch_fallbacks() {
+  static auto* f = new BatchFallbacks();
+  return *f;
+}
+
 void enqueue_engine_copies(const CopyList& list, CUstream stream) {
   std::vector<CUdeviceptr> dst, src;
   std::vector<std::size_t> sizes;
@@ -258,9 +270,14 @@ void enqueue_engine_copies(const CopyList& list, CUstream stream) {
     MemcpyAttributes attrs = {};
     attrs.srcAccessOrder = kMemcpySrcAccessOrderStream;
     std::size_t attrs_index = 0, fail_index = 0;
-    if (api().cuMemcpyBatchAsync_(dst.data(), src.data(), sizes.data(), n, &attrs, &attrs_index, 1, &fail_index,
-                                  stream) == kSuccess) {
-      return;
+    const CUresult r = api().cuMemcpyBatchAsync_(dst.data(), src.data(), sizes.data(), n, &attrs, &attrs_index, 1,
+                                                 &fail_index, stream);
+    if (r == kSuccess) return;
+    {
+      BatchFallbacks& f = batch_fallbacks();
+      std::lock_guard<std::mutex> lock(f.mutex);
+      ++f.count;
+      f.last_error = describe(r) + " (copy " + std::to_string(fail_index) + " of " + std::to_string(n) + ")";
     }
     // Refused (the copies are idempotent, so whatever it enqueued is simply copied again): one by one.
   }
@@ -363,6 +380,10 @@ BackendInfo info() {
   i.num_deferred_pins = p.pending.load();
   i.num_failed_pins = p.failed;
   i.pin_error = p.last_error;
+  BatchFallbacks& f = batch_fallbacks();
+  std::lock_guard<std::mutex> batch_lock(f.mutex);
+  i.num_batch_fallbacks = f.count;
+  i.batch_error = f.last_error;
   return i;
 }
 

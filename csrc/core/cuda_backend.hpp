@@ -46,6 +46,8 @@ struct BackendInfo {
   std::size_t num_deferred_pins = 0;      // slabs pinned before any device was in use, not yet registered
   std::size_t num_failed_pins = 0;        // of those, registrations the driver refused (they stay pageable)
   std::string pin_error;
+  std::size_t num_batch_fallbacks = 0;  // batches whose cuMemcpyBatchAsync was refused (copied one by one)
+  std::string batch_error;              // the driver's last refusal
 };
 BackendInfo info();
 

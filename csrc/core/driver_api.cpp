@@ -125,7 +125,12 @@ const DriverState& driver_state() {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto* s = new DriverState(load());
     // Batched copies where the driver has them (12.8 on); chosen by the driver's version, not the build's.
-    s->batched_copies = s->table != nullptr && s->table->cuMemcpyBatchAsync_ != nullptr && s->version >= 12080;
+    // GPU_OFFLOAD_BATCHED_COPIES=0 asks for one cuMemcpyAsync per copy anyway: the path of R535-R565
+    // drivers, so that a newer driver can run (and test) it.
+    const char* batched = std::getenv("GPU_OFFLOAD_BATCHED_COPIES");
+    const bool allowed = batched == nullptr || std::string(batched) != "0";
+    s->batched_copies = allowed && s->table != nullptr && s->table->cuMemcpyBatchAsync_ != nullptr &&
+                        s->version >= 12080;
     g_state = s;
   });
   return *g_state;

@@ -159,6 +159,7 @@ struct Sim {
   std::uint64_t next_gate = 1;
   std::vector<int> sticky;
   std::size_t kernel_launches = 0;
+  std::size_t spinning_waits = 0;  // cuEventSynchronize on an event made without blocking sync
 };
 
 Sim* g_sim = nullptr;
@@ -553,6 +554,12 @@ CUresult sim_cuEventSynchronize(CUevent event) {
     if (event->captured) return kErrorCapturedEvent;
     m = event->last;
   }
+  if ((event->flags & kEventBlockingSync) == 0) {
+    // The real driver spins a core in this wait: counted, so tests can see that we never ask for it.
+    Sim& s = sim();
+    std::lock_guard<std::mutex> lock(s.m);
+    ++s.spinning_waits;
+  }
   if (m) m->wait();
   return sticky(event->device);
 }
@@ -732,6 +739,14 @@ CUresult sim_cuModuleLoadData(CUmodule* out, const void* image) {
     }
   } else if (magic == 0xBA55ED50u) {
     m->kind = "fatbin";
+    // Header: magic, version (2 bytes), header size (2), then the size of what follows (8). nvcc does not
+    // compress by default, so the entry points' names are in there: search all of it.
+    const auto* b = static_cast<const unsigned char*>(image);
+    std::uint16_t header = 0;
+    std::uint64_t size = 0;
+    std::memcpy(&header, b + 6, 2);
+    std::memcpy(&size, b + 8, 8);
+    m->names.assign(reinterpret_cast<const char*>(b), header + size);
   } else if (image_is(image, "\x7f" "ELF", 4)) {
     m->kind = "cubin";
     // The symbol names are in the section headers' string tables: search the whole ELF file.
@@ -759,7 +774,12 @@ CUresult sim_cuModuleGetFunction(CUfunction* out, CUmodule module, const char* n
   SIM_HOOK(cuModuleGetFunction);
   const std::string n = name;
   if (n != "gather_chunks" && n != "checksum_kernel") return kErrorNotFound;
-  if (!module->names.empty() && module->names.find(n) == std::string::npos) return kErrorNotFound;
+  if (!module->names.empty()) {
+    // In an ELF image (a cubin, or the fatbin's) a symbol is a whole string-table entry: a C++-mangled
+    // name (_Z13gather_chunks...) is not found by the real driver, and not here either.
+    const std::string entry = module->kind == "ptx" ? n : std::string(1, '\0') + n + '\0';
+    if (module->names.find(entry) == std::string::npos) return kErrorNotFound;
+  }
   auto* f = new CUfunc_st();
   f->module = module;
   f->name = n;
@@ -1093,6 +1113,12 @@ std::size_t kernel_launches() {
   Sim& s = sim();
   std::lock_guard<std::mutex> lock(s.m);
   return s.kernel_launches;
+}
+
+std::size_t spinning_waits() {
+  Sim& s = sim();
+  std::lock_guard<std::mutex> lock(s.m);
+  return s.spinning_waits;
 }
 
 }  // namespace gpu_offload::sim

@@ -93,5 +93,7 @@ void clear_sticky_error(int device);
 bool host_mapped(std::uintptr_t ptr, std::size_t num_bytes);
 // Kernels launched so far (all devices).
 std::size_t kernel_launches();
+// cuEventSynchronize calls on events made without CU_EVENT_BLOCKING_SYNC (the real driver spins a core in those).
+std::size_t spinning_waits();
 
 }  // namespace gpu_offload::sim

@@ -187,6 +187,20 @@ TEST_CASE(sim_batched_copies_follow_the_driver_version_not_the_table) {
   CHECK(sim::calls("cuMemcpyBatchAsync") == 0);
 }
 
+TEST_CASE(sim_batched_copies_can_be_turned_off) {
+  // GPU_OFFLOAD_BATCHED_COPIES=0: a 13.0 driver runs the per-copy path older drivers get.
+  setenv("GPU_OFFLOAD_BATCHED_COPIES", "0", 1);
+  start();
+  CHECK(!drv::driver_state().batched_copies);
+  Storages s(0, kMixed, 4);
+  HostArena arena(0, 8u << 20, PinMode::kRegister);
+  const std::uintptr_t region = arena.allocate(s.extent);
+  s.plan(0).run(Direction::kToHost, region, sim::stream_create(0), {}, true)->synchronize();
+  CHECK(s.host_is(region, 4));
+  CHECK(sim::calls("cuMemcpyBatchAsync") == 0);
+  CHECK(sim::calls("cuMemcpyAsync") == kMixed.size());
+}
+
 TEST_CASE(sim_fork_orders_kernel_and_engines_after_the_callers_stream) {
   // Work the caller enqueued before the snapshot (a fill, held back by a gate) must be in the snapshot:
   // both the copy engines and the kernel stream are ordered after it.
@@ -301,6 +315,8 @@ TEST_CASE(sim_refused_batched_copy_falls_back_to_single_copies) {
   s.plan(0).run(Direction::kToHost, region, sim::stream_create(0), {}, true)->synchronize();
   CHECK(s.host_is(region, 10));
   CHECK(sim::calls("cuMemcpyAsync") == 3);
+  const auto info = cuda::info();  // counted, so that a driver refusing every batch does not go unseen
+  CHECK(info.num_batch_fallbacks == 1 && info.batch_error.find("CUDA_ERROR_NOT_SUPPORTED") != std::string::npos);
 }
 
 TEST_CASE(sim_chunk_table_is_not_reused_while_its_kernel_runs) {
@@ -363,6 +379,7 @@ TEST_CASE(sim_chunk_table_pool_is_bounded_and_waits_for_the_oldest) {
   for (auto& e : events) e->synchronize();
   CHECK(sim::calls("cuMemHostAlloc") - before == cuda::kMaxPooledBlocks);
   for (std::size_t i = 0; i < n; ++i) CHECK(storages[i].host_is(regions[i], 20 + i));
+  CHECK(sim::spinning_waits() == 0);  // the wait for the oldest table, and the caller's, sleep
 }
 
 TEST_CASE(sim_multi_device_plans) {
@@ -514,6 +531,7 @@ TEST_CASE(sim_event_synchronize_blocks_until_the_copy_ran) {
   sim::release(held);
   t.join();
   CHECK(done->query() && s.host_is(region, 44));
+  CHECK(sim::calls("cuEventSynchronize") >= 1 && sim::spinning_waits() == 0);  // it slept: blocking sync
 }
 
 TEST_CASE(sim_checksum_kernel_matches_the_host) {
@@ -551,6 +569,7 @@ TEST_CASE(sim_checksum_pool_is_bounded) {
   }
   CHECK(sim::calls("cuMemHostAlloc") - before == cuda::kMaxPooledBlocks);
   for (std::size_t i = 0; i < jobs.size(); ++i) CHECK(jobs[i]->wait() == expected[i]);  // taken-over blocks too
+  CHECK(sim::spinning_waits() == 0);  // waits for a taken-over block and for the sums sleep
 }
 
 TEST_CASE(sim_kernels_off_leaves_the_copy_engines) {

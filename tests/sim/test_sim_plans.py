@@ -56,6 +56,7 @@ def test_the_current_stream_waits_for_the_copy(user_streams, arena):
     s = Storages(0, [1 << 20], 3)
     r = arena._allocate(s.extent)
     plans = plan.CopyPlans([(0, s.plan())])
+    spins = sim.spinning_waits()
     held = sim.gate(_C.engine_streams(0)[0])
     (done,) = plans.run(True, r.ptr)  # stream_waits=True: later work on the stream waits for the copy
     sim.enqueue_fill(0, user_streams[0], s.ptrs[0], 0xEE, s.sizes[0])
@@ -63,6 +64,7 @@ def test_the_current_stream_waits_for_the_copy(user_streams, arena):
     assert sim.read(s.ptrs[0], 4) != b"\xee" * 4  # the write is held behind the copy
     sim.release(held)
     done.synchronize()
+    assert sim.spinning_waits() == spins  # snap.wait()'s event is blocking-sync: the thread slept
     sim.synchronize()
     assert s.host_is(r.ptr, 3)  # the snapshot is the state as of the call
     assert sim.read(s.ptrs[0], 4) == b"\xee" * 4
