@@ -64,6 +64,8 @@ def parse_bytes_or_fraction(text: str, what: str, total: int) -> int:
     if value <= 0:
         raise OffloadError(f"{what}={text!r}: must be positive (unset it for no limit)")
     return value
+
+
 def format_bytes(n: int) -> str:
     """A byte count for people, in powers of 1024 with three significant digits: 512 B, 1.2 KiB, 256 MiB,
     3.31 GiB (units that parse_bytes reads back)."""

@@ -31,8 +31,6 @@ from .storages import PLAIN_TENSOR_TYPES, bind, check_tensor, extent_problem, ma
 logger = logging.getLogger("gpu_offload")
 
 
-
-
 def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages: int, synchronous: bool) -> None:
     if logger.isEnabledFor(logging.DEBUG):
         seconds = time.perf_counter() - start

@@ -315,7 +315,6 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
     return list(map(torch.Tensor.untyped_storage, [plain[i] for i in plan.first_tensor]))
 
 
-
 def data_ptrs(items: Sequence[Any]) -> list[int]:
     """data_ptr() of each tensor or storage; 0 for one whose storage refuses access (offloaded: it holds no
     memory, and a null pointer is what it would give without the refusal)."""
@@ -432,6 +431,8 @@ def _forget(key: tuple[int, ...]) -> None:
 def _prune() -> None:
     while _dead_keys:
         _cache.pop(_dead_keys.pop(), None)
+
+
 _stats = {"hits": 0, "misses": 0}
 
 

@@ -129,7 +129,6 @@ def inject_failure(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: in
     return calls
 
 
-
 # -- an interrupt at every point ------------------------------------------------------------------------------
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(go.__file__)) + os.sep
 _CACHE = dis.opmap.get("CACHE", -1)

@@ -172,7 +172,6 @@ def test_views_after_free_and_trim_do_not_crash():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
-
 def test_a_shallow_copy_of_a_snapshot_has_a_user_of_its_own(device, arena):
     state = {"w": torch.arange(4096.0, device=device), "b": torch.arange(7, device=device)}
     snap = go.snapshot(state, arena=arena).wait()
@@ -198,6 +197,7 @@ def test_a_shallow_copy_of_a_snapshot_has_a_user_of_its_own(device, arena):
     gc.collect()
     _settle(device)
     assert arena.used_bytes == 0
+
 
 # -- using an offloaded module ---------------------------------------------------------------------------
 def test_calling_an_offloaded_module_names_it_and_says_to_reload(device, arena):

@@ -25,6 +25,7 @@ from gpu_offload._ext import _C
 
 from conftest import pattern, sim
 
+
 class Twins:
     """Each storage of a target gets a simulated twin on device 0 holding a pattern; plan.build_copies plans
     copies of the twins instead of the CPU storages."""
