@@ -130,10 +130,10 @@ class Region:
     Released when its last user lets go; copies still reading or writing it (their events) are waited
     for lazily, so releasing never blocks the caller. The region owns its memory from the moment the
     arena hands it out: one dropped without being released (an interrupt between the allocation and the
-    code that would release it) returns its memory when it is garbage collected.
+    code that would release it) returns its memory at the arena's next call after it is garbage collected.
     """
 
-    __slots__ = ("arena", "_box", "nbytes", "_users", "_pending")
+    __slots__ = ("arena", "_box", "nbytes", "_users", "_pending", "__weakref__")
 
     def __init__(self, arena: "Arena", nbytes: int, users: int = 1) -> None:
         self._pending: list[Any] = []  # copies known to use the region, for a region freed by the collector
@@ -213,12 +213,6 @@ class Region:
         buf._owner = owner  # type: ignore[attr-defined]
         return buf
 
-    def __del__(self) -> None:
-        # Owned memory nobody released: hand it back at the arena's next call (not here: a collector
-        # run may interrupt the arena's own bookkeeping).
-        box = getattr(self, "_box", None)  # None: interrupted in __init__, before any memory
-        if box:
-            self.arena._orphans.append((box, list(self._pending)))
 
 
 class Lease:
@@ -295,7 +289,12 @@ class Arena:
         self._impl = _C.HostArena(max_bytes or 0, min_slab_bytes, pin)
         self._lock = _fork.new_lock(reentrant=True)
         self._deferred: list[tuple[list[int], list[Any]]] = []  # regions waiting for their copies to finish
-        self._orphans: list[tuple[list[int], list[Any]]] = []  # regions dropped unreleased (Region.__del__)
+        # Every region handed out, by the id of a weak reference to it: (reference, its box, its events). A
+        # region dropped unreleased is found through _dead, where the reference's callback (deque.append, C
+        # code: no interpreter step an interrupt could fall into, unlike a __del__) puts it when the region
+        # is collected; the next call of the arena frees what its box still holds (see _reap).
+        self._owned: dict[int, tuple["weakref.ref[Region]", list[int], list[Any]]] = {}
+        self._dead: "collections.deque[weakref.ref[Region]]" = collections.deque()
         self._left_in_parent = False  # in a forked child: the pinned slabs were not inherited
         _live.add(self)
 
@@ -382,11 +381,13 @@ class Arena:
         # interrupt can fall between the allocation and its owner (the allocation releases the GIL, and
         # a signal handler runs as soon as it returns).
         region = Region(self, num_bytes, users)
+        ref = weakref.ref(region, self._dead.append)
+        self._owned[id(ref)] = (ref, region._box, region._pending)  # before the memory: nothing to lose before
         try:
             region._box.extend(map(self._impl.allocate, (num_bytes,), (node,)))
         except OffloadError:
             # Regions still waiting on in-flight copies may be what stands in the way: wait, then retry.
-            if not self._deferred and not self._orphans:
+            if not self._deferred and not self._dead:
                 raise
             self._reap(block=True)
             region._box.extend(map(self._impl.allocate, (num_bytes,), (node,)))
@@ -420,9 +421,16 @@ class Arena:
         if _retired:
             _reap_retired()
         with self._lock:
-            while self._orphans:
-                box, events = self._orphans.pop()
-                self._free_box(box, events)
+            # Regions collected since the last call: free what their boxes still hold. Each step can be
+            # interrupted and done again (an empty box frees nothing), and a region collected meanwhile is
+            # appended behind the one being looked at.
+            while self._dead:
+                key = id(self._dead[0])
+                entry = self._owned.get(key)
+                if entry is not None:
+                    self._free_box(entry[1], entry[2])
+                    del self._owned[key]
+                self._dead.popleft()
             if not self._deferred or _capture.capturing():
                 return
             still: list[tuple[list[int], list[Any]]] = []
@@ -446,7 +454,8 @@ class Arena:
         # dropped with such frees pending hands its C++ arena to _retired, released once they completed.
         impl = getattr(self, "_impl", None)
         deferred: list[tuple[list[int], list[Any]]] = getattr(self, "_deferred", [])
-        orphans: list[tuple[list[int], list[Any]]] = getattr(self, "_orphans", [])
+        # Regions collected with the arena (one reference cycle) or since its last call: their copies too.
+        orphans = [(box, events) for _, box, events in getattr(self, "_owned", {}).values() if box]
         if impl is not None and (deferred or orphans):
             _retired.append((impl, deferred, orphans))
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -383,3 +384,59 @@ def test_interrupts_at_random_points_leak_no_arena_region():
         print("ok", hits)
     """)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def _interrupt_in_finalizers(k: int, fn: Any) -> int:
+    """Runs fn() with a KeyboardInterrupt raised at the k-th point (call, C return, return) of the code that
+    gpu_offload's finalizers (`__del__`) run, where a signal handler may run and raise too: the finalizer
+    stops there and its exception is only reported. Returns the number of points seen."""
+    package = str(Path(go.__file__).resolve().parent)
+    seen = [0]
+
+    def in_finalizer(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "__del__" and frame.f_code.co_filename.startswith(package):
+                return True
+            frame = frame.f_back
+        return False
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_return", "return") and in_finalizer(frame):
+            seen[0] += 1
+            if seen[0] == k:
+                raise KeyboardInterrupt
+
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None  # what CPython does: print and go on
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        sys.unraisablehook = hook
+    return seen[0]
+
+
+def test_an_interrupt_inside_a_finalizer_loses_no_arena_memory():
+    """A signal can land inside a finalizer (a snapshot, a lease on its region, a region dropped unreleased)
+    at any point; CPython then abandons the finalizer. The memory must still come back at the arena's next
+    call: a region collected unreleased is found by a weak reference's callback (C code), not by a
+    `__del__` of its own that such an interrupt could cut short."""
+    arena = go.Arena(pin="none")
+    state = {"w": torch.randn(4096), "b": torch.randn(16)}
+    k = 1
+    while True:
+        snap = go.snapshot(state, arena=arena)
+        lease = snap._use()  # a copy's user of the region, never released
+        orphan = arena._allocate(4096)  # a region nothing released
+
+        def drop() -> None:
+            nonlocal snap, lease, orphan
+            snap = lease = orphan = None  # type: ignore[assignment]
+            gc.collect()
+
+        points = _interrupt_in_finalizers(k, drop)
+        assert arena.used_bytes == 0, (k, points, arena.stats())
+        if k > points:
+            break
+        k += 1
+    assert k > 3  # the finalizers ran code that could be interrupted
