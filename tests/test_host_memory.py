@@ -396,7 +396,7 @@ def test_a_pinning_failure_says_what_to_change() -> None:
     with pytest.raises(go.OffloadError) as info:
         arena.reserve(4096)
     message = str(info.value)
-    assert "pinning a slab of 4096 bytes" in message and "ulimit -l" in message
+    assert "pinning a slab of 4 KiB" in message and "ulimit -l" in message
     assert "GPU_OFFLOAD_PIN=none" in message and "--ulimit memlock=-1" in message
     assert arena.capacity_bytes == 0 and go.memory_stats()["node"]["reserved_bytes"] == 0
 

@@ -188,10 +188,11 @@ def _offload(target: Any, *, grads: str, empty_cache: bool, arena: Optional[Aren
                         if _key(t) not in _registry.entries and unwrap(t).untyped_storage().nbytes())
     if live:
         api.offload(live, empty_cache=False, arena=arena)
-    if grads == "drop":
-        with _registry.lock:
+    with _registry.lock:
+        if grads == "drop":
             api._drop(api._grads_to_drop(gradient_tensors(target), {_key(t) for _, t in state}))
-    _registry.guard(target)
+        held = [_key(t) for _, t in [*state, *gradient_tensors(target)] if _key(t) in _registry.entries]
+        _registry.guard(target, held)  # calling the module or stepping its optimizer says to reload first
     if empty_cache:
         api._empty_cache(sorted({unwrap(t).device for _, t in state}, key=str))
 
