@@ -22,7 +22,7 @@ $(PY):
 $(STAMP): $(SOURCES) | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)" "setuptools>=77" wheel "pybind11>=2.12" ninja "cmake>=3.24"
-	GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
+	GPU_OFFLOAD_TORCH_EXT=1 GPU_OFFLOAD_BUILD_DIR=build/cmake $(PIP) install --no-build-isolation -e ".[test,all,deepspeed]"
 	touch $(STAMP)
 
 build: setup
@@ -53,4 +53,4 @@ bench-micro: setup
 	$(PY) -m pytest benchmarks --benchmark-only -p no:cacheprovider --benchmark-columns=min,median,mean,rounds
 
 clean:
-	rm -rf build *.egg-info gpu_offload/_C*.so
+	rm -rf build *.egg-info gpu_offload/_C*.so gpu_offload/_torch_ext*.so

@@ -6,6 +6,8 @@ Environment:
                           (SASS for T4, A100, A10/RTX 30, L4/L40/RTX 40, H100/H200, B200, RTX 50; PTX for 120)
   GPU_OFFLOAD_BUILD_DIR   where CMake builds (default: a folder under setuptools' build_temp, fresh for each
                           `pip install .`; `make` sets build/cmake, where the C++ unit tests run with ctest)
+  GPU_OFFLOAD_TORCH_EXT   auto (default: build gpu_offload._torch_ext when torch is importable) | 1 (require it)
+                          | 0 (skip it); see "The torch-aware helper" below
 
 The build prints one line saying whether the CUDA backend was compiled and why (pip shows it with -v;
 `gpu-offload info` and gpu_offload.build_info() say it at run time).
@@ -13,6 +15,7 @@ The build prints one line saying whether the CUDA backend was compiled and why (
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -46,6 +49,9 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
+        if isinstance(ext, TorchExtension):
+            build_torch_extension(self, ext)
+            return
         mode = os.environ.get("GPU_OFFLOAD_CUDA", "auto").lower()
         if mode not in ("auto", "0", "1"):
             raise SystemExit(f"GPU_OFFLOAD_CUDA must be auto, 0 or 1, not {mode!r}")
@@ -110,8 +116,74 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
 
 
+# -- The torch-aware helper: gpu_offload._torch_ext ---------------------------------------------------------
+# A second, optional extension for what only torch's C++ reaches (batched per-call checks of a target's
+# tensors, refusing access to offloaded storages). Built from csrc/torch_ext/*.cpp when torch is importable
+# at build time (make and CI install with --no-build-isolation, so it is), against that torch: its headers,
+# its C++ ABI flag, its libraries, the C++ standard its own extension builder uses. The torch it was built
+# against is compiled into the binary as a string that gpu_offload/torch_ext.py reads before loading it: it
+# loads only into that torch, and falls back to pure Python otherwise. The torch-free core above knows
+# nothing of it.
+TORCH_EXT_NAME = "gpu_offload._torch_ext"
+
+
+class TorchExtension(Extension):
+    def __init__(self, name: str, sources: list[str], record: dict, **kwargs) -> None:
+        super().__init__(name, sources=sources, language="c++", **kwargs)
+        self.record = record  # the torch it is built against
+
+
+def torch_extension() -> list[Extension]:
+    mode = os.environ.get("GPU_OFFLOAD_TORCH_EXT", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"GPU_OFFLOAD_TORCH_EXT must be auto, 0 or 1, not {mode!r}")
+    if mode == "0":
+        print("gpu_offload: not building gpu_offload._torch_ext (GPU_OFFLOAD_TORCH_EXT=0)", flush=True)
+        return []
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        if mode == "1":
+            raise SystemExit(f"GPU_OFFLOAD_TORCH_EXT=1 but torch is not importable at build time ({exc}); install "
+                             "torch first and build with --no-build-isolation") from None
+        print("gpu_offload: not building gpu_offload._torch_ext (torch is not importable at build time: an "
+              "isolated build; pip install --no-build-isolation builds it against the installed torch)", flush=True)
+        return []
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    record = {"torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None) or "",
+              "cxx11_abi": bool(abi)}
+    # torch's own builder knows which standard its headers need (C++20 from 2.10, C++17 before).
+    std = "c++20" if "-std=c++20" in Path(cpp_extension.__file__).read_text() else "c++17"
+    folder = ROOT / "csrc" / "torch_ext"
+    sources = sorted(str(p.relative_to(ROOT)) for p in folder.glob("*.cpp"))
+    return [TorchExtension(
+        TORCH_EXT_NAME, sources, record, depends=sorted(str(p.relative_to(ROOT)) for p in folder.glob("*.hpp")),
+        include_dirs=[*cpp_extension.include_paths(), str(folder)],
+        library_dirs=cpp_extension.library_paths(),
+        # The libraries `import torch` has loaded already (no rpath needed: torch is always imported first).
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(abi)), ("TORCH_API_INCLUDE_EXTENSION_H", None),
+                       ("TORCH_EXTENSION_NAME", "_torch_ext"),
+                       ("GPU_OFFLOAD_TORCH_EXT_RECORD", json.dumps(json.dumps(record, sort_keys=True)))],
+        extra_compile_args=[f"-std={std}", "-O2", "-g0", "-fvisibility=hidden"],
+    )]
+
+
+def build_torch_extension(builder: build_ext, ext: "TorchExtension") -> None:
+    print(f"gpu_offload: building {TORCH_EXT_NAME} against torch {ext.record['torch']} "
+          f"(C++11 ABI {int(ext.record['cxx11_abi'])})", flush=True)
+    try:
+        build_ext.build_extension(builder, ext)
+    except Exception as exc:  # optional: the package is complete without it
+        if os.environ.get("GPU_OFFLOAD_TORCH_EXT", "auto").lower() == "1":
+            raise
+        print(f"gpu_offload: WARNING: {TORCH_EXT_NAME} failed to build ({exc}); gpu_offload works without it "
+              "(pure-Python checks); GPU_OFFLOAD_TORCH_EXT=1 makes this an error", flush=True)
+
+
 setup(
     version=VERSION,
-    ext_modules=[CMakeExtension("gpu_offload._C")],
+    ext_modules=[CMakeExtension("gpu_offload._C"), *torch_extension()],
     cmdclass={"build_ext": CMakeBuild},
 )

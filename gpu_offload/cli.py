@@ -388,7 +388,7 @@ def info_dict() -> dict:
 
     import torch
 
-    from . import _C, build_info, cuda_available
+    from . import _C, build_info, cuda_available, torch_ext
     from .arena import _DEFAULT_MIN_SLAB_BYTES, Arena, _env_int
     from .plan import gather_max_bytes
 
@@ -430,6 +430,7 @@ def info_dict() -> dict:
         },
         "host_threads": host_threads,
         "gather_max_bytes": gather,
+        "torch_ext": torch_ext.status(),  # the torch-aware helper: loaded, or why not
     }
 
 
@@ -455,6 +456,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("arena pinning", a["pin"])
     table.add_row("host copy threads", str(info["host_threads"]))
     table.add_row("gather max bytes", str(info["gather_max_bytes"]))
+    table.add_row("torch helper", info["torch_ext"])
     _console().print(table)
     return 0
 

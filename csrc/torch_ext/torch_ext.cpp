@@ -1,0 +1,145 @@
+// gpu_offload._torch_ext: the thin torch-aware helper, for what only torch's C++ reaches. Built against one
+// torch (its headers, C++ ABI and libraries) and loaded only by that torch (gpu_offload/torch_ext.py checks
+// the version recorded at build time before it loads this file); everything here has a pure-Python
+// fallback, and nothing here touches CUDA. The torch-free core (_C) does not depend on it.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "torch_ext.hpp"
+
+#ifndef GPU_OFFLOAD_TORCH_EXT_RECORD
+#error "GPU_OFFLOAD_TORCH_EXT_RECORD (JSON: the torch built against) must be defined by the build (setup.py)"
+#endif
+
+// The torch this was built against, read from the file by gpu_offload/torch_ext.py before it loads it
+// (loading it into another torch could fail on symbols or, worse, load and misread torch's structs).
+extern "C" __attribute__((used, visibility("default")))
+const char gpu_offload_torch_ext_record[] = "gpu_offload_torch_ext_record:" GPU_OFFLOAD_TORCH_EXT_RECORD;
+
+namespace py = pybind11;
+
+namespace gpu_offload::torch_ext {
+
+c10::StorageImpl* storage_of(PyObject* item) {
+  // A tensor (its storage), an UntypedStorage, or a storage's _cdata (the StorageImpl address: trusted,
+  // the caller holds the storage). Tensors and storages are checked, so a wrong object is a TypeError.
+  if (THPVariable_Check(item)) {
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (!t.unsafeGetTensorImpl()->has_storage()) {
+      throw py::type_error("a tensor without storage (sparse, nested, a wrapper subclass?)");
+    }
+    // unsafe_storage(): no access check (the storage may refuse access already).
+    return t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  }
+  if (THPStorage_Check(item)) {
+    return THPStorage_Unpack(item).unsafeGetStorageImpl();
+  }
+  if (PyLong_Check(item)) {
+    void* p = PyLong_AsVoidPtr(item);
+    if (p == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      throw py::value_error("storage key 0");
+    }
+    return static_cast<c10::StorageImpl*>(p);
+  }
+  throw py::type_error(std::string("expected a tensor, an UntypedStorage or a storage's _cdata, got ") +
+                       Py_TYPE(item)->tp_name);
+}
+
+namespace {
+
+// StorageImpl::clear_data_ptr_access_error_msg_ came after release_data_and_set_meta_..._msg_ (which,
+// despite its name, only sets the flag and the message): without it a refusal could not be lifted, so the
+// guard is compiled only where both exist.
+template <typename S, typename = void>
+struct has_access_guard : std::false_type {};
+template <typename S>
+struct has_access_guard<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_()),
+                                       decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
+                                           std::optional<std::string>()))>> : std::true_type {};
+constexpr bool kAccessGuard = has_access_guard<c10::StorageImpl>::value;
+
+// All items are resolved before any storage changes: a bad item leaves every storage as it was.
+std::vector<c10::StorageImpl*> storages_of(const py::sequence& items) {
+  PyObject* seq = PySequence_Fast(items.ptr(), "expected a sequence");
+  if (seq == nullptr) throw py::error_already_set();
+  py::object hold = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** objs = PySequence_Fast_ITEMS(seq);
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(storage_of(objs[i]));
+  return out;
+}
+
+template <typename S>
+void refuse(const std::vector<S*>& storages, const std::string& message) {
+  if constexpr (has_access_guard<S>::value) {
+    for (S* s : storages) s->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+  }
+}
+
+template <typename S>
+void allow(const std::vector<S*>& storages) {
+  if constexpr (has_access_guard<S>::value) {
+    for (S* s : storages) s->clear_data_ptr_access_error_msg_();
+  }
+}
+
+void require_access_guard() {
+  if (!kAccessGuard) {
+    throw std::runtime_error(
+        "this torch's StorageImpl has no clear_data_ptr_access_error_msg_(): storage access cannot be refused "
+        "and lifted again");
+  }
+}
+
+}  // namespace
+}  // namespace gpu_offload::torch_ext
+
+PYBIND11_MODULE(_torch_ext, m) {
+  using namespace gpu_offload::torch_ext;
+  m.doc() = "gpu_offload's torch-aware helper (see gpu_offload.torch_ext)";
+  m.attr("RECORD") = GPU_OFFLOAD_TORCH_EXT_RECORD;
+  m.attr("CXX11_ABI") = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
+  m.attr("ACCESS_GUARD") = kAccessGuard;
+
+  m.def(
+      "refuse_access",
+      [](const py::sequence& items, const std::string& message) {
+        require_access_guard();
+        refuse(storages_of(items), message);
+      },
+      py::arg("storages"), py::arg("message"),
+      "Makes every storage refuse any data-pointer access (reads, writes, data_ptr(), torch.save) with a "
+      "RuntimeError carrying `message`, in one call. Items: tensors, UntypedStorages, or storages' _cdata "
+      "(the caller keeps those storages alive). The data is not touched.");
+  m.def(
+      "allow_access", [](const py::sequence& items) {
+        require_access_guard();
+        allow(storages_of(items));
+      },
+      py::arg("storages"), "Lifts refuse_access() from every storage, in one call.");
+  m.def(
+      "access_refused",
+      [](py::handle item) {
+        // The flag itself is private; a const data() call throws exactly when it is set.
+        c10::StorageImpl* s = storage_of(item.ptr());
+        try {
+          (void)static_cast<const c10::StorageImpl*>(s)->data();
+          return false;
+        } catch (const c10::Error&) {
+          return true;
+        }
+      },
+      py::arg("storage"), "Whether a storage refuses data-pointer access.");
+}

@@ -1,0 +1,117 @@
+"""The torch-aware helper (gpu_offload._torch_ext): loaded only into the torch it was built against, and the
+batched storage-access refusal it provides."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_offload import torch_ext
+
+_SPEC = importlib.util.find_spec("gpu_offload._torch_ext")
+_BUILT = _SPEC is not None and _SPEC.origin is not None
+needs_ext = pytest.mark.skipif(not torch_ext.available(), reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+needs_guard = pytest.mark.skipif(not torch_ext.access_guard_available(),
+                                 reason="this torch cannot lift a storage-access refusal, or the helper is not loaded")
+
+
+@pytest.mark.skipif(not _BUILT, reason="gpu_offload._torch_ext was not built (torch not importable at build time)")
+def test_a_helper_built_for_this_torch_is_loaded():
+    record = torch_ext.read_record(_SPEC.origin)
+    assert record is not None, "the built helper must carry the torch it was built against"
+    assert record["torch"] == torch.__version__  # make/CI build against the installed torch
+    if os.environ.get("GPU_OFFLOAD_TORCH_EXT", "") != "0":
+        assert torch_ext.available(), torch_ext.status()
+        assert torch_ext.status().startswith("loaded")
+
+
+@pytest.mark.skipif(not _BUILT, reason="gpu_offload._torch_ext was not built")
+@pytest.mark.parametrize("field,value", [("torch", "2.0.0"), ("torch_git", "0" * 40), ("cxx11_abi", None)])
+def test_a_helper_built_for_another_torch_is_not_loaded(monkeypatch, field, value):
+    running = torch_ext._running()
+    other = dict(running, **{field: (not running["cxx11_abi"]) if field == "cxx11_abi" else value})
+    monkeypatch.setattr(torch_ext, "_running", lambda: other)
+    ext, why = torch_ext._load()
+    assert ext is None
+    assert "built against torch" in why and "running torch" in why
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("GPU_OFFLOAD_TORCH_EXT", "0")
+    ext, why = torch_ext._load()
+    assert ext is None and "GPU_OFFLOAD_TORCH_EXT=0" in why
+
+
+def test_a_file_without_record_is_not_read_as_one(tmp_path):
+    junk = tmp_path / "x.so"
+    junk.write_bytes(b"\x7fELF" + b"\0" * 100)
+    assert torch_ext.read_record(str(junk)) is None
+    assert torch_ext.read_record(str(tmp_path / "missing.so")) is None
+
+
+def _accesses(t: torch.Tensor, view: torch.Tensor) -> dict:
+    return {"norm": lambda: t.norm(), "data_ptr": lambda: t.data_ptr(), "view sum": lambda: view.sum(),
+            "storage data_ptr": lambda: t.untyped_storage().data_ptr(), "in-place add": lambda: t.add_(1),
+            "torch.save": lambda: torch.save(t, io.BytesIO()), "repr": lambda: repr(t)}
+
+
+@needs_guard
+def test_refused_storages_raise_our_message_and_lifted_ones_work_again():
+    a, b, c = torch.randn(10), torch.randn(3, 4), torch.arange(6.0)
+    expected = [x.clone() for x in (a, b, c)]
+    # One call for several storages, given as a tensor, an UntypedStorage and a _cdata.
+    torch_ext.refuse_access([a, b.untyped_storage(), c.untyped_storage()._cdata], "offloaded: call reload()")
+    for t, view in ((a, a[2:5]), (b, b.t()), (c, c.view(2, 3))):
+        assert torch_ext.access_refused(t)
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # size untouched
+        for what, access in _accesses(t, view).items():
+            with pytest.raises(RuntimeError, match="offloaded: call reload"):
+                access()
+                pytest.fail(f"{what} did not raise")
+    torch_ext.allow_access([a.untyped_storage()._cdata, b, c.untyped_storage()])
+    for t, e in zip((a, b, c), expected):
+        assert not torch_ext.access_refused(t)
+        assert torch.equal(t, e)  # the data was not touched
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    assert torch.equal(torch.load(io.BytesIO(buf.getvalue())), expected[0])
+
+
+@needs_guard
+def test_a_bad_item_refuses_nothing():
+    a = torch.randn(4)
+    with pytest.raises(TypeError):
+        torch_ext.refuse_access([a, "not a storage"], "no")
+    assert not torch_ext.access_refused(a)
+    a.norm()
+
+
+def test_without_the_helper_refusal_says_it_is_unavailable(monkeypatch):
+    monkeypatch.setattr(torch_ext, "ext", None)
+    monkeypatch.setattr(torch_ext, "_status", "disabled (GPU_OFFLOAD_TORCH_EXT=0)")
+    assert not torch_ext.access_guard_available()
+    t = torch.randn(3)
+    for call in (lambda: torch_ext.refuse_access([t], "x"), lambda: torch_ext.allow_access([t])):
+        with pytest.raises(torch_ext.TorchExtUnavailable, match="GPU_OFFLOAD_TORCH_EXT=0"):
+            call()
+    t.norm()  # nothing was refused
+
+
+def test_the_engine_works_with_the_helper_switched_off():
+    code = ("import torch, gpu_offload as go\n"
+            "from gpu_offload import torch_ext\n"
+            "assert not torch_ext.available() and 'GPU_OFFLOAD_TORCH_EXT=0' in torch_ext.status()\n"
+            "m = torch.nn.Linear(4, 3)\n"
+            "w = m.weight.detach().clone()\n"
+            "s = go.snapshot(m).wait()\n"
+            "m.weight.data.zero_(); go.restore(m, s); assert torch.equal(m.weight, w)\n"
+            "go.offload(m); go.reload(m); assert torch.equal(m.weight, w)\n")
+    env = dict(os.environ, GPU_OFFLOAD_TORCH_EXT="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
