@@ -137,13 +137,22 @@ def _gb(value: float) -> str:
 
 
 def _gbps_range(r: Any) -> str:
+    if not r.nbytes:  # a host-cost row: nothing moved
+        return "-" + (" !" if r.wide else "")
     return f"{_gb(r.gbps_min)}-{_gb(r.gbps_max)}" + (" !" if r.wide else "")
+
+
+def _gbps(r: Any) -> str:
+    return _gb(r.gbps) if r.nbytes else "-"
 
 
 def _row_line(layout: str, r: Any) -> str:
     """One finished measurement on one line, for logs (stdout not a terminal)."""
     ratio = "" if r.ratio is None else f" = {r.ratio:.3g}x limit"
     wide = f" (spread {r.spread:.1f}x!)" if r.wide else ""
+    if not r.nbytes:  # a host-cost row
+        return (f"{layout}: {r.method} ({r.direction}) {r.seconds * 1e3:.3f} ms median{wide} over "
+                f"{len(r.samples)} repeat(s); {r.note}")
     return (f"{layout}: {r.method} ({r.direction}) {_gb(r.gbps)} GB/s median{ratio}; min-max "
             f"{_gb(r.gbps_min)}-{_gb(r.gbps_max)} GB/s{wide} over {len(r.samples)} repeat(s); {r.seconds * 1e3:.2f} ms")
 
@@ -224,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for col in ("method", "dir", "ms", "GB/s", "min-max GB/s", "x limit", "note"):
             table.add_column(col, justify="right" if col in ("ms", "GB/s", "min-max GB/s", "x limit") else "left")
         for r in res.rows:
-            table.add_row(r.method, r.direction, f"{r.seconds * 1e3:.2f}", _gb(r.gbps), _gbps_range(r),
+            table.add_row(r.method, r.direction, f"{r.seconds * 1e3:.2f}", _gbps(r), _gbps_range(r),
                           "" if r.ratio is None else f"{r.ratio:.3g}", r.note)
             if r.wide:
                 wide.append(f"{res.layout}: {r.method} ({r.direction}) {r.spread:.1f}x")
@@ -280,7 +289,7 @@ def markdown(results: list, meta: dict, args: argparse.Namespace) -> str:
                   "| method | dir | ms | GB/s | min-max GB/s | x limit | note |", "|---|---|---:|---:|---:|---:|---|"]
         for r in res.rows:
             ratio = "" if r.ratio is None else f"{r.ratio:.3g}"
-            lines.append(f"| {r.method} | {r.direction} | {r.seconds * 1e3:.2f} | {_gb(r.gbps)} | {_gbps_range(r)} "
+            lines.append(f"| {r.method} | {r.direction} | {r.seconds * 1e3:.2f} | {_gbps(r)} | {_gbps_range(r)} "
                          f"| {ratio} | {r.note} |")
         lines.append("")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ TINY_LAYOUT = {"name": "tiny-test", "dtype": "float32", "runs": [[[128, 256], 6]
 TINY_TENSORS = 9
 TINY_BYTES = (6 * 128 * 256 + 3 * 256) * 4
 ENGINE_METHODS = {"gpu_offload.snapshot+wait", "gpu_offload.restore", "gpu_offload.offload", "gpu_offload.reload"}
+HOST_METHODS = ["host: Y", "host: first snapshot", "host: snapshot+wait+free", "host: restore", "host: offload+reload"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -66,6 +67,8 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     assert (res["num_tensors"], res["nbytes"], res["scale"], res["repeats"]) == (num_tensors, nbytes, scale, repeats)
     rows = res["rows"]
     repeats = res["repeats"]
+    check_host_rows([r for r in rows if r["direction"] == "host"], repeats)
+    rows = [r for r in rows if r["direction"] != "host"]
     for r in rows:
         assert set(r) == {"method", "direction", "seconds", "nbytes", "gbps", "ratio", "note", "samples", "gbps_min",
                           "gbps_max", "iqr_seconds", "spread"}, r
@@ -97,6 +100,19 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     assert arena["capacity_bytes"] >= nbytes
 
 
+def check_host_rows(rows: list[dict], repeats: int) -> None:
+    """The host-cost rows: ms per call (nothing moved, no GB/s) and, in the note, the same in Y."""
+    assert [r["method"] for r in rows] == HOST_METHODS
+    y = rows[0]["seconds"]
+    for r in rows:
+        assert r["nbytes"] == 0 and r["gbps"] == 0 and r["ratio"] is None, r
+        assert r["seconds"] > 0 and min(r["samples"]) <= r["seconds"] <= max(r["samples"]), r
+        assert r["spread"] == pytest.approx(max(r["samples"]) / min(r["samples"]), rel=1e-9), r
+        if r is not rows[0]:
+            assert r["note"].startswith(f"{r['seconds'] / y:.2f} Y; "), r
+    assert len(rows[2]["samples"]) == max(repeats, 5)
+
+
 def check_table(stdout: str, res: dict) -> None:
     """The printed table shows the same methods, GB/s and ratios as the JSON, in the same order."""
     rows = table_rows(stdout)
@@ -105,8 +121,13 @@ def check_table(stdout: str, res: dict) -> None:
         method, direction, ms, gbps, span, ratio, _note = cells
         assert method == r["method"], "method names are printed in full (no truncation when piped)"
         assert direction == r["direction"]
-        assert gbps == f"{r['gbps']:.3g}" and ms == f"{r['seconds'] * 1e3:.2f}"
-        assert span == f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + (" !" if r["spread"] > 1.5 else "")
+        assert ms == f"{r['seconds'] * 1e3:.2f}"
+        wide = " !" if r["spread"] > 1.5 else ""
+        if r["direction"] == "host":
+            assert (gbps, span) == ("-", "-" + wide)
+            continue
+        assert gbps == f"{r['gbps']:.3g}"
+        assert span == f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + wide
         assert ratio == ("" if r["ratio"] is None else f"{r['ratio']:.3g}")
 
 
@@ -161,6 +182,10 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     progress = [line for line in lines[:first_table] if line.startswith("tiny-test: ")]
     assert len(progress) == len(res["rows"]), lines[:first_table]
     for line, r in zip(progress, res["rows"]):
+        if r["direction"] == "host":
+            assert line.startswith(f"tiny-test: {r['method']} (host) {r['seconds'] * 1e3:.3f} ms median"), line
+            assert f"repeat(s); {r['note']}" in line
+            continue
         assert line.startswith(f"tiny-test: {r['method']} ({r['direction']}) {r['gbps']:.3g} GB/s median"), line
         assert f"min-max {r['gbps_min']:.3g}-{r['gbps_max']:.3g} GB/s" in line and "over 3 repeat(s)" in line
     wide = [r for r in res["rows"] if r["spread"] > 1.5]
@@ -173,7 +198,8 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     assert len(md_rows) == len(res["rows"])
     for line, r in zip(md_rows, res["rows"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.3g}"], line
+        gbps = "-" if r["direction"] == "host" else f"{r['gbps']:.3g}"
+        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", gbps], line
 
     png = (workdir / "out/bench.png").read_bytes()
     assert png[:8] == PNG_MAGIC
