@@ -69,11 +69,12 @@ TargetRecord::TargetRecord(py::handle list) {
       first_tensor_.push_back(static_cast<int32_t>(i));
       if (s->nbytes() != 0) live_.push_back(it->second);
     }
-    TensorFacts t;
+    TensorFacts t{};
     t.obj = obj;
     t.type = Py_TYPE(obj);
     t.impl = impl;
     t.storage = it->second;
+    t.first = fresh;
     t.offset = impl->storage_offset();
     t.dtype = impl->dtype();
     t.dim = static_cast<int32_t>(impl->dim());
@@ -91,16 +92,16 @@ bool TargetRecord::check(py::handle list) const {
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();
   // Memory-bound (three objects per tensor, scattered): the loop asks for each tensor's Python object, then
-  // its TensorImpl, a few tensors ahead. A prefetch never faults; only an object of the recorded type is
-  // read to find its TensorImpl.
+  // its TensorImpl and its storage, a few tensors ahead. A prefetch never faults; only an object of the
+  // recorded type is read to find its TensorImpl.
   constexpr Py_ssize_t kAhead = 6;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (i + 2 * kAhead < n) __builtin_prefetch(items.data[i + 2 * kAhead]);
     if (i + kAhead < n) {
       PyObject* ahead = items.data[i + kAhead];
-      if (Py_TYPE(ahead) == tensors_[static_cast<size_t>(i + kAhead)].type) {
-        __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
-      }
+      const TensorFacts& next = tensors_[static_cast<size_t>(i + kAhead)];
+      if (Py_TYPE(ahead) == next.type) __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
+      if (next.first) __builtin_prefetch(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
     }
     const TensorFacts& t = tensors_[static_cast<size_t>(i)];
     PyObject* obj = items.data[i];
@@ -112,23 +113,18 @@ bool TargetRecord::check(py::handle list) const {
     // ... on the same storage, viewing it the same way (`.data =`, set_(), t_(), resize_(), as_strided_()
     // change these in place).
     c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-    if (storage != storages_[static_cast<size_t>(t.storage)].impl) return false;
-    __builtin_prefetch(storage);
+    const StorageFacts& s = storages_[static_cast<size_t>(t.storage)];
+    if (storage != s.impl) return false;
     if (impl->storage_offset() != t.offset || impl->dtype() != t.dtype || impl->dim() != t.dim) return false;
     c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
     const int64_t* rec = dims + t.dims_at;
     for (int32_t d = 0; d < t.dim; ++d) {
       if (sizes[d] != rec[d] || strides[d] != rec[t.dim + d]) return false;
     }
-  }
-  // Every storage is the storage of a tensor just checked, so alive: same memory, same size (a storage
-  // resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
-  const size_t m = storages_.size();
-  for (size_t j = 0; j < m; ++j) {
-    if (j + 8 < m) __builtin_prefetch(storages_[j + 8].impl);
-    const StorageFacts& s = storages_[j];
-    if (data_of(s.impl) != s.data || s.impl->nbytes() != s.nbytes || s.impl->device() != s.device ||
-        s.impl->resizable() != s.resizable) {
+    // The storage, with its first tensor (so alive: this tensor is on it): same memory, same size (a
+    // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
+    if (t.first && (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
+                    storage->resizable() != s.resizable)) {
       return false;
     }
   }

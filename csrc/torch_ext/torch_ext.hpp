@@ -66,6 +66,7 @@ class TargetRecord {
     PyTypeObject* type;
     c10::TensorImpl* impl;
     int32_t storage;
+    bool first;  // the first tensor on its storage: the storage's facts are checked with it
     int32_t dim;
     int32_t dims_at;  // sizes then strides in dims_
     int64_t offset;
