@@ -25,7 +25,12 @@ from typing import Any, Callable
 import torch
 
 import gpu_offload as go
-from gpu_offload import adapters, bench, plan, torch_ext
+from gpu_offload import adapters, bench, plan
+
+try:
+    from gpu_offload import torch_ext
+except ImportError:  # a version without the torch-aware helper (for before/after runs)
+    torch_ext = None  # type: ignore[assignment]
 
 
 def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2) -> list[float]:
@@ -61,7 +66,9 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
 
     def first() -> None:
         plan.clear_cache()
-        adapters._trees.clear()  # a module's recorded traversal too
+        trees = getattr(adapters, "_trees", None)  # a module's recorded traversal too (absent in older versions)
+        if trees is not None:
+            trees.clear()
         go.snapshot(target, arena=arena).wait().free()
 
     out["first snapshot (uncached)"] = _stat(_times(first, max(3, repeats // 3), warmup=1))
@@ -75,7 +82,7 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         go.reload(target)
 
     out["offload+reload"] = _stat(_times(cycle, repeats))
-    if torch_ext.ext is not None:
+    if torch_ext is not None and torch_ext.ext is not None:
         record = torch_ext.ext.record(tensors)
 
         def allocator() -> None:

@@ -463,3 +463,90 @@ def test_a_call_that_finds_a_changed_target_logs_its_cost(arena, caplog):
         go.snapshot(target, arena=arena).free()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan:")]
     assert len(lines) == 1 and "changed target of 2 tensors" in lines[0] and " ms" in lines[0], lines
+
+
+# -- GPU_OFFLOAD_TORCH_EXT=0: the whole engine on its pure-Python paths, in a fresh process ---------------------
+def test_with_the_helper_switched_off_every_path_is_pure_python_and_still_sees_every_change(checks):
+    # The `checks` fixture switches the helper off inside this process; this runs a process where it was
+    # never loaded, as a user who sets the variable gets, through the same changes and a full cycle.
+    if checks != "python":
+        pytest.skip("runs its own process, once")
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import torch
+        import gpu_offload as go
+        from gpu_offload import adapters, plan, registry, torch_ext
+        from gpu_offload.adapters import named_tensors, plain_module_tensors
+
+        assert torch_ext.ext is None and "GPU_OFFLOAD_TORCH_EXT=0" in torch_ext.status(), torch_ext.status()
+        assert plan._ext is None and registry._ext is None and adapters._ext is None
+        arena = go.Arena()
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        d = {"a": torch.randn(5), "b": torch.randn(2, 3)}
+
+        def matches(target):
+            truth = (plain_module_tensors(target, include_grads=False) if isinstance(target, torch.nn.Module)
+                     else list(target.items()))
+            snap = go.snapshot(target, arena=arena).wait()
+            got = snap.tensors()
+            assert list(got) == [n for n, _ in truth], (list(got), truth)
+            for n, t in truth:
+                assert torch.equal(got[n], t.detach()), n
+            snap.free()
+
+        hits = plan.cache_info()["hits"]
+        for target in (m, d):
+            matches(target); matches(target)  # the second from the cached plan
+        assert plan.cache_info()["hits"] == hits + 2
+        m[0]._parameters["weight"] = torch.nn.Parameter(torch.randn(2, 3))  # straight into _parameters
+        matches(m)
+        m[1].weight.data = torch.randn(2, 2)  # .data to another storage
+        matches(m)
+        d["b"].t_()
+        matches(d)
+        expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+        for _ in range(2):
+            go.offload(m, arena=arena)
+            assert go.is_offloaded(m)
+            try:
+                go.snapshot(m, arena=arena)
+            except go.OffloadError:
+                pass
+            else:
+                raise AssertionError("a snapshot of an offloaded module was not refused")
+            go.reload(m)
+        for n, t in named_tensors(m):
+            assert torch.equal(t.detach(), expected[n]), n
+        snap = go.snapshot(d, arena=arena).wait()
+        values = {k: v.clone() for k, v in d.items()}
+        for v in d.values():
+            v.zero_()
+        go.restore(d, snap)
+        snap.free()
+        assert all(torch.equal(d[k], values[k]) for k in d)
+        assert arena.used_bytes == 0
+        print("ok")
+    """)
+    env = dict(os.environ, GPU_OFFLOAD_TORCH_EXT="0", PYTHONPATH=f"{root}:{root / 'tests'}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=root, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_module_class_with_its_own_traversal_is_read_as_torch_reads_it(arena, where):
+    # A class that overrides named_parameters: as the root its override is the traversal (not recorded); as a
+    # child torch's traversal never calls it. Either way the engine reads what torch's own walk says.
+    torch.manual_seed(0)
+    m = RenamedLinear(3, 2) if where == "root" else torch.nn.Sequential(RenamedLinear(3, 2), torch.nn.Linear(2, 2))
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert any("kernel" in n for n, _ in truth) == (where == "root")
+    for _ in range(2):
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+        _snapshot_matches(m, arena)
