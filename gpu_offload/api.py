@@ -244,8 +244,8 @@ def offload(target: Any, *, empty_cache: bool = True, include_grads: bool = Fals
         except BaseException as exc:
             region.release_all(_plan.enqueued(exc))  # after copies other devices enqueued
             raise
-        keys, nbytes, devices, offsets, names = plan.live_columns()
         try:
+            keys, nbytes, devices, offsets, names = plan.live_columns()  # (an interrupt here frees the region)
             # Watched from here on (a storage that dies while offloaded gives its bytes back).
             watch = plan.watch(resolved)
             offloaded = _registry.OffloadedSet(keys, nbytes, devices, offsets, live, names, region, events, sums,
