@@ -191,7 +191,8 @@ def _offload(target: Any, *, grads: str, empty_cache: bool, arena: Optional[Aren
     if grads == "drop":
         with _registry.lock:
             api._drop(api._grads_to_drop(gradient_tensors(target), {_key(t) for _, t in state}))
-    _registry.guard(target)
+    with _registry.lock:  # the hooks, for what of the target is offloaded now (its parts offloaded apart)
+        _registry.guard(target, [k for k in map(_key, (t for _, t in state)) if k in _registry.entries])
     if empty_cache:
         api._empty_cache(sorted({unwrap(t).device for _, t in state}, key=str))
 
