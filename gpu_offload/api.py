@@ -6,7 +6,6 @@ Flow: target -> adapters (named tensors) -> storages (layout bound to live stora
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 import weakref
@@ -41,17 +40,14 @@ def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages
 
 def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = True) -> _plan.Resolved:
     """The target's plan; refuses targets with offloaded storages or with memory released by someone else.
+    Call with the registry lock held.
 
     writes: the call will write into the target's storages (FSDP units left unsharded are resharded
     first, so that a stale unsharded copy cannot shadow what is written).
     """
     resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
                              shard_info=lambda: shard_info(target))
-    if _registry.entries:  # nothing to look up in the common case of nothing offloaded
-        with _registry.lock:
-            for key, spec in zip(resolved.plan.keys, resolved.layout.storages):
-                if key in _registry.entries:
-                    raise OffloadError(f"cannot {op}: {spec.name} is offloaded; call gpu_offload.reload() first")
+    _refuse_offloaded(resolved, op)
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
         if problem is not None:
@@ -59,8 +55,28 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
     return resolved
 
 
+def _refuse_offloaded(resolved: _plan.Resolved, op: str) -> None:
+    plan = resolved.plan
+    offloaded = plan.offloaded
+    if offloaded is not None and 1 in offloaded.alive and _registry.registered(offloaded):  # through this plan
+        name = offloaded.names[offloaded.alive.index(1)]
+        raise OffloadError(f"cannot {op}: {name} is offloaded; call gpu_offload.reload() first")
+    # Nothing to look up in the common case of nothing offloaded; a plan found clear stays clear until
+    # the next offload (only an offload makes a storage offloaded).
+    if _registry.entries and plan.clear_of != _registry.generation:
+        name = _registry.offloaded_name(plan.keys)
+        if name is not None:
+            raise OffloadError(f"cannot {op}: {name} is offloaded; call gpu_offload.reload() first")
+        plan.clear_of = _registry.generation
+    if plan.released:  # emptied by an offload that is no longer registered, yet not reloaded
+        name = plan.layout.storages[plan.live[0]].name if plan.live else "the target"
+        raise OffloadError(f"cannot {op}: {name}: its memory was released and not brought back; reload it first")
+
+
 def _first_views(resolved: _plan.Resolved) -> list[torch.Tensor]:
     """One tensor viewing each of the target's storages that holds memory (for the allocator's record_stream)."""
+    if all(d.type != "cuda" for d in resolved.layout.devices):
+        return []
     first, specs = resolved.plan.first_tensor, resolved.layout.storages
     return [resolved.tensors[first[i]] for i, spec in enumerate(specs) if spec.nbytes and spec.device.type == "cuda"]
 
@@ -220,7 +236,7 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
             region.release(events)
         # Autograd sees the in-place change, as with torch's own copy_: a backward through activations
         # saved before the restore raises instead of computing wrong gradients.
-        torch.autograd.graph.increment_version(resolved.tensors)
+        _plan.increment_version(resolved.tensors)
     if expected is not None:  # integrity: and the restored device data after
         _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
                                    expected if mapping is None else [expected[i] for i in mapping],
@@ -261,11 +277,17 @@ def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
 
 
 def _drop(items: list[tuple[int, torch.UntypedStorage, str]]) -> None:
-    """Releases gradient storages without a copy; reload re-allocates them zeroed. Each is registered before
-    it is released, so an interrupt leaves every storage either live or registered (a registered one that
-    is still live is simply zeroed by reload)."""
-    for key, storage, name in items:
-        _registry.watch(key, storage, _Offloaded(storage.nbytes(), storage.device, None, 0, [], name=name))
+    """Releases gradient storages without a copy; reload re-allocates them zeroed. Their set (no region) is
+    registered before any is released, so an interrupt leaves every storage either live or registered (a
+    registered one that is still live is simply zeroed by reload). Call with the registry lock held."""
+    if not items:
+        return
+    storages = [st for _, st, _ in items]
+    n = len(items)
+    _registry.add(_registry.OffloadedSet([k for k, _, _ in items], [st.nbytes() for st in storages],
+                                         [st.device for st in storages], [0] * n, [0] * n,
+                                         [name for _, _, name in items], None, [], None, storages=storages))
+    for storage in storages:
         storage.resize_(0)
 
 
@@ -319,14 +341,13 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
     arena = arena if arena is not None else default_arena()
     with _registry.lock:
         resolved = _resolve_live(target, policy == "copy", "offload")
-        layout = resolved.layout
-        storages = resolved.storages()
-        for spec, storage in zip(layout.storages, storages):
-            if spec.nbytes and not storage.resizable():
-                raise OffloadError(f"cannot offload {spec.name}: its storage is not resizable "
-                                   "(memory borrowed from numpy, DLPack or a file?)")
-        live = [(k, spec, st) for k, spec, st in zip(resolved.plan.keys, layout.storages, storages) if spec.nbytes]
-        dropping = _grads_to_drop(gradient_tensors(target), set(resolved.plan.keys)) if policy == "drop" else []
+        plan, layout = resolved.plan, resolved.layout
+        stuck = plan.all_resizable(resolved)
+        if stuck is not None:
+            raise OffloadError(f"cannot offload {stuck}: its storage is not resizable "
+                               "(memory borrowed from numpy, DLPack or a file?)")
+        live = plan.live
+        dropping = _grads_to_drop(gradient_tensors(target), set(plan.keys)) if policy == "drop" else []
         if not live:
             if not dropping:
                 raise OffloadError("nothing to offload: the target holds no device memory")
@@ -334,31 +355,42 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             if empty_cache:
                 _empty_cache([st.device for _, st, _ in dropping])
             return
-        plans = resolved.plan.copies()
+        plans = plan.copies()
         region = arena._allocate(layout.host_bytes, users=len(live), devices=layout.devices)
         try:
-            sums = _integrity.compute(layout, resolved.plan.storage_ptrs) if checksum else None
+            sums = _integrity.compute(layout, plan.storage_ptrs) if checksum else None
             events = plans.run(True, region.ptr, record=(region._pending,))
         except BaseException as exc:
             region.release_all(_plan.enqueued(exc))  # after copies other devices enqueued
             raise
         try:
-            indices = [i for i, spec in enumerate(layout.storages) if spec.nbytes]
-            for (key, spec, storage), index in zip(live, indices):
-                _registry.watch(key, storage, _Offloaded(spec.nbytes, spec.device, region, spec.host_offset, events,
-                                                         checksums=sums, index=index, name=spec.name))
+            keys, nbytes, devices, offsets, names = plan.live_columns()  # (an interrupt here frees the region)
+            # Watched from here on (a storage that dies while offloaded gives its bytes back).
+            watch = plan.watch(resolved)
+            offloaded = _registry.OffloadedSet(keys, nbytes, devices, offsets, live, names, region, events, sums,
+                                               storages=() if watch is not None else
+                                               [resolved.storages()[i] for i in live], watch=watch)
+        except BaseException:
+            region.release_all(events)
+            raise
+        try:
+            _registry.add(offloaded)
             # The copies are enqueued before the memory is released and the current stream waits for them;
             # the allocator is told too (it would otherwise hand a block back to the stream that allocated
             # it, which need not be the current one), so no block is reused before it has been read.
             _plan.mark_in_use(_first_views(resolved), to_host=True)
-            for _, _, storage in live:
-                storage.resize_(0)
-            # Touching offloaded state raises: the storages refuse access to their data (one C++ call), the
-            # target's modules and optimizers raise OffloadError when used.
-            _registry.refuse([st for _, _, st in live], [spec.name for _, spec, _ in live])
-            _registry.guard(target, [k for k, _, _ in live])
+            # The plan follows the target as it is now (released), and the reload goes through it.
+            _plan.resize(resolved, release=True)
+            plan.offloaded = offloaded
+            # Touching offloaded state raises: the storages refuse access to their data (one C++ call, by
+            # key: the target's tensors hold them), the target's modules and optimizers raise OffloadError
+            # when used.
+            if plan.refusals is None:
+                plan.refusals = _registry.refusals(names)
+            _registry.refuse(keys, names, plan.refusals)
+            _registry.guard(target, keys)
         except BaseException:
-            _undo_offload(live, region, events)  # exception safety: the target is left as it was
+            _undo_offload(resolved, offloaded, region, events)  # exception safety: the target is left as it was
             _registry.unguard(target)
             raise
         # Last, once nothing can fail: the gradients have no copy that an undo could put back.
@@ -393,64 +425,131 @@ def reload(target: Any, *, verify: bool = False) -> None:
     start = time.perf_counter()
     named = named_tensors(target, include_grads=True)
     with _registry.lock:
-        bound = bind(named, _registry.sizes())
-        records = [(k, st, _registry.entries[k]) for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
-        layout = bound.layout
-        if not records:
-            raise OffloadError("cannot reload: nothing in the target is offloaded")
-        if verify:  # integrity: the host copy is checked before anything moves
-            _registry.verify_host([r for _, _, r in records if r.region is not None])
-        # Exception safety: nothing is committed (registry, regions) until every storage is allocated and
-        # every copy enqueued; an error or interrupt before that frees what was allocated, and the target
-        # stays offloaded with its data intact.
-        by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
-        for item in records:
-            if item[2].region is not None:  # (gradients dropped by offload(grads="drop") have no copy)
-                by_region.setdefault(id(item[2].region), []).append(item)
-        enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]] = []
-        keys = [k for k, _, _ in records]
-        allocating = True
-        try:
-            _registry.allow(keys)  # one C++ call; the storages are held by `records`
-            for _, storage, record in records:
-                storage.resize_(record.nbytes)
-            allocating = False
-            for _, storage, record in records:
-                if record.region is None:  # dropped gradients come back zeroed (in stream order)
-                    _plan.storage_view(storage).zero_()
-            for items in by_region.values():
-                region = items[0][2].region
-                assert region is not None
-                entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
-                try:
-                    # One step (the append takes run's result directly): an interrupt cannot lose the events.
-                    enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr,
-                                                                             waits=items[0][2].events)))
-                except BaseException as exc:
-                    enqueued.append((items, _plan.enqueued(exc)))  # other devices' copies, still running
-                    raise
-                finally:
-                    region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
-        except BaseException as exc:
-            _undo_reload(records, enqueued)
-            needed = sum(r.nbytes for _, _, r in records)
-            if allocating and isinstance(exc, (RuntimeError, MemoryError)):
-                raise OffloadError(f"reload failed while allocating {needed} bytes on "
-                                   f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
-                                   "offloaded with its data intact, free memory and call reload() again") from exc
-            raise
-        # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
-        # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
-        collections.deque(map(_registry.entries.pop, keys), maxlen=0)
-        for items, events in enqueued:
-            items[0][2].region.release(events, count=len(items))  # type: ignore[union-attr]
+        # The common case: the target as its offload left it, every storage of that offload still offloaded.
+        resolved = _plan.cached(named) if _registry.entries else None
+        offloaded = resolved.plan.offloaded if resolved is not None else None
+        if resolved is not None and offloaded is not None and offloaded.whole and _registry.registered(offloaded):
+            _reload_through_plan(resolved, offloaded, verify)
+        else:
+            resolved = None
+            records, bound = _reload_bound(named, verify)
     _registry.unguard(target)
+    if resolved is not None and offloaded is not None:  # reloaded through the plan
+        if verify:  # integrity: and the reloaded device data after
+            storages = resolved.storages()
+            _registry.verify_reloaded([(storages[i], offloaded.record(p)) for p, i in enumerate(resolved.plan.live)])
+        _log_rate("reload", resolved.layout.nbytes, start, len(resolved.layout.tensors), len(offloaded.keys), True)
+        return
     if verify:  # integrity: and the reloaded device data after
         _registry.verify_reloaded([(st, r) for _, st, r in records if r.region is not None])
     # The storages are live again at new addresses: remember the target's plan so that the next call on
     # it (a snapshot or the next offload) needs no fresh bind.
     _plan.remember(named, bound, shard_info=lambda: shard_info(target))
-    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(layout.tensors), len(records), True)
+    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(bound.layout.tensors), len(records), True)
+
+
+def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:
+    """Reloads a target through the plan its offload left (the registry lock held): the storages are
+    re-allocated in one call where the helper can, the plan refreshed, its copies run."""
+    plan, region = resolved.plan, offloaded.region
+    live = plan.live
+    if verify:  # integrity: the host copy is checked before anything moves
+        _registry.verify_host([offloaded.record(p) for p in range(len(live))])
+    events: list[Any] = []
+    allocating = True
+    try:
+        _registry.allow(offloaded.keys)  # one C++ call, by key: the target's tensors hold the storages
+        _plan.resize(resolved, release=False)
+        allocating = False
+        try:
+            # One step (the assignment takes run's result directly): an interrupt cannot lose the events.
+            events = plan.copies().run(False, region.ptr, waits=offloaded.events)
+        except BaseException as exc:
+            events = _plan.enqueued(exc)  # other devices' copies, still running
+            raise
+        finally:
+            region._pending.extend(events)  # a region an interrupt leaves unreleased waits for them
+    except BaseException as exc:
+        _undo_reload_plan(resolved, offloaded, events)
+        if allocating and isinstance(exc, (RuntimeError, MemoryError)):
+            raise OffloadError(f"reload failed while allocating {sum(offloaded.nbytes)} bytes on "
+                               f"{', '.join(str(d) for d in resolved.layout.devices)}: {exc}; the target is still "
+                               "offloaded with its data intact, free memory and call reload() again") from exc
+        raise
+    # Commit: the set leaves the registry in one step, then the region loses its users (an interrupt
+    # between the two leaves a region that is freed when the set is dropped).
+    _registry.remove(offloaded)
+    offloaded.forget(None)
+    region.release(events, count=len(live))
+
+
+def _undo_reload_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, events: list[Any]) -> None:
+    """Releases the storages an interrupted fast reload allocated; the data stays in the arena and the
+    target stays offloaded through its plan."""
+    offloaded.events = list(offloaded.events) + list(events)
+    storages = resolved.storages()
+    grown = [i for i in resolved.plan.live if storages[i].nbytes() != 0]
+    if events:  # the copies may still write these storages: the allocator must not hand them out before
+        _plan.mark_in_use([_plan.storage_view(storages[i]) for i in grown], to_host=False)
+    for i in grown:
+        storages[i].resize_(0)
+    resolved.plan.refresh(resolved.tensors, released=True)
+    _registry.refuse(offloaded.keys, offloaded.names, resolved.plan.refusals)  # offloaded as before
+
+
+def _reload_bound(named: Any, verify: bool) -> tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], Any]:
+    """Reloads whatever of a target is offloaded, however it was offloaded (the registry lock held)."""
+    bound = bind(named, _registry.sizes())
+    records = [(k, st, _registry.entries[k]) for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
+    if not records:
+        raise OffloadError("cannot reload: nothing in the target is offloaded")
+    if verify:  # integrity: the host copy is checked before anything moves
+        _registry.verify_host([r for _, _, r in records if r.region is not None])
+    # Exception safety: nothing is committed (registry, regions) until every storage is allocated and
+    # every copy enqueued; an error or interrupt before that frees what was allocated, and the target
+    # stays offloaded with its data intact.
+    by_region: dict[int, list[tuple[int, torch.UntypedStorage, _Offloaded]]] = {}
+    for item in records:
+        if item[2].region is not None:  # (gradients dropped by offload(grads="drop") have no copy)
+            by_region.setdefault(id(item[2].region), []).append(item)
+    enqueued: list[tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], list[Any]]] = []
+    keys = [k for k, _, _ in records]
+    allocating = True
+    try:
+        _registry.allow(keys)  # one C++ call; the storages are held by `records`
+        for _, storage, record in records:
+            storage.resize_(record.nbytes)
+        allocating = False
+        for _, storage, record in records:
+            if record.region is None:  # dropped gradients come back zeroed (in stream order)
+                _plan.storage_view(storage).zero_()
+        for items in by_region.values():
+            region = items[0][2].region
+            assert region is not None
+            entries = [(r.device, st.data_ptr(), r.host_offset, r.nbytes) for _, st, r in items]
+            try:
+                # One step (the append takes run's result directly): an interrupt cannot lose the events.
+                enqueued.append((items, _plan.build_copies(entries).run(False, region.ptr,
+                                                                         waits=items[0][2].events)))
+            except BaseException as exc:
+                enqueued.append((items, _plan.enqueued(exc)))  # other devices' copies, still running
+                raise
+            finally:
+                region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
+    except BaseException as exc:
+        _undo_reload(records, enqueued)
+        needed = sum(r.nbytes for _, _, r in records)
+        if allocating and isinstance(exc, (RuntimeError, MemoryError)):
+            raise OffloadError(f"reload failed while allocating {needed} bytes on "
+                               f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
+                               "offloaded with its data intact, free memory and call reload() again") from exc
+        raise
+    # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
+    # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
+    _registry.drop_keys(keys)
+    for items, events in enqueued:
+        items[0][2].region.release(events, count=len(items))  # type: ignore[union-attr]
+    return records, bound
 
 
 def discard(target: Any) -> None:
@@ -468,15 +567,15 @@ def discard(target: Any) -> None:
         if not keys:
             raise OffloadError("cannot discard: nothing in the target is offloaded")
         storages = [st for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
-        records = list(map(_registry.entries.pop, keys))  # one step of C code: all leave the registry, or none
+        groups = _registry.drop_keys(keys)  # one step of C code: all leave the registry, or none
         # Plain empty storages from now on, as resize_(0) leaves them: the caller gives them memory again.
         # (After the entries: an interrupt between the two leaves them refusing access, never empty and open.)
         _registry.allow(storages)
         nbytes = 0
-        for record in records:
-            if record.region is not None:  # (a dropped gradient has no host copy)
-                record.region.release(record.events)
-            nbytes += record.nbytes
+        for owner, positions in groups:
+            if owner.region is not None:  # (a dropped gradient has no host copy)
+                owner.region.release(owner.events, count=len(positions))
+            nbytes += sum(owner.nbytes[p] for p in positions)
     _registry.unguard(target)
     logger.debug("discard: %d storages, %d bytes", len(keys), nbytes)
 
@@ -543,14 +642,17 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, grads: st
     logger.debug("swap: %.3f ms to enqueue", (time.perf_counter() - start) * 1e3)
 
 
-def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Region, events: list[Any]) -> None:
+def _undo_offload(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, region: Region,
+                  events: list[Any]) -> None:
     """Puts back an offload interrupted after its copy: storages already released are re-allocated and
-    refilled from the region (which the copy filled), the registry entries dropped, the region freed.
-    Released storages are found by their size, so one released just before the interrupt is not missed."""
-    for key, _, _ in live:
-        _registry.entries.pop(key, None)
-    _registry.allow([st for _, _, st in live])
-    released = [(spec, storage) for _, spec, storage in live if storage.nbytes() != spec.nbytes]
+    refilled from the region (which the copy filled), the set unregistered, the region freed. Released
+    storages are found by their size, so one released just before the interrupt is not missed."""
+    _registry.remove(offloaded)
+    offloaded.forget(None)
+    _registry.allow(offloaded.keys)  # (before any resize: a refused storage cannot be resized)
+    plan = resolved.plan
+    specs, storages = resolved.layout.storages, resolved.storages()
+    released = [(specs[i], storages[i]) for i in plan.live if storages[i].nbytes() != specs[i].nbytes]
     back: list[Any] = []
     if released:
         for spec, storage in released:
@@ -562,6 +664,7 @@ def _undo_offload(live: list[tuple[int, Any, torch.UntypedStorage]], region: Reg
             region.release_all(list(events) + _plan.enqueued(exc))
             raise
     region.release_all(list(events) + back)
+    plan.refresh(resolved.tensors, released=False)
     logger.debug("offload interrupted: %d released storages put back", len(released))
 
 
@@ -582,13 +685,20 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
 
 def is_offloaded(target: Any) -> bool:
     """True when the target's storages are offloaded (all those that held memory)."""
-    bound = bind(named_tensors(target, include_grads=False, reshard=False))
+    named = named_tensors(target, include_grads=False, reshard=False)
     with _registry.lock:
-        offloaded = [k in _registry.entries for k in bound.keys]
-    if not any(offloaded):
+        if not _registry.entries:
+            return False
+        resolved = _plan.cached(named)  # as its own offload left it: no per-storage look-up
+        offloaded = resolved.plan.offloaded if resolved is not None else None
+        if offloaded is not None and offloaded.whole and _registry.registered(offloaded):
+            return True
+        bound = bind(named)
+        flags = [k in _registry.entries for k in bound.keys]
+    if not any(flags):
         return False
     # Partly offloaded (e.g. offload(model) then is_offloaded([model, opt])): only if the rest is empty.
-    return all(o or spec.nbytes == 0 for o, spec in zip(offloaded, bound.layout.storages))
+    return all(o or spec.nbytes == 0 for o, spec in zip(flags, bound.layout.storages))
 
 
 def offloaded_bytes() -> int:

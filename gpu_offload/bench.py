@@ -118,8 +118,9 @@ SCHEMA_VERSION = 3  # of the JSON record; 2: per-repeat samples, spread, run met
 # each row's kind, the limit measured again after the engine, the machine's load
 WIDE_SPREAD = 1.5  # max/min of a measurement's repeats above which the table warns
 DRIFT_FLOOR = 1.1  # the limit moving by less than this between the start and the end is not worth a warning
-# Rows by kind: the limit (one contiguous copy), gpu_offload's own methods, and the per-tensor baselines.
-KINDS = ("limit", "engine", "baseline")
+# Rows by kind: the limit (one contiguous copy), gpu_offload's own methods, the per-tensor baselines, and the
+# engine's host work per call (moves nothing; ms, no GB/s).
+KINDS = ("limit", "engine", "baseline", "host")
 
 
 @dataclass
@@ -143,7 +144,9 @@ class Row:
     @property
     def spread(self) -> float:
         """Slowest over fastest repeat (1.0 for a single repeat)."""
-        return self.gbps_max / self.gbps_min if self.gbps_min > 0 else 1.0
+        if self.gbps_min > 0:
+            return self.gbps_max / self.gbps_min
+        return max(self.samples) / min(self.samples) if self.samples and min(self.samples) > 0 else 1.0
 
     @property
     def wide(self) -> bool:
@@ -175,7 +178,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Optional[Callable[[], Any]] = None,
-          warmup: int = 1) -> list[float]:
+          warmup: int = 1, sync: bool = True) -> list[float]:
     """Seconds of each of `repeats` calls of fn, after `warmup` untimed calls; setup runs untimed before each.
 
     Not torch.utils.benchmark.Timer: its timeit() adds at least two warm-up calls per measurement and has no
@@ -183,7 +186,8 @@ def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Opti
     its clock synchronizes the current device rather than the one measured. Every method, the limit
     included, is timed by this one loop so that their ratios compare like with like; the statistics come
     from torch.utils.benchmark.Measurement. On a GPU each call is bracketed by a synchronize of its device,
-    so asynchronous copies are timed until they have finished.
+    so asynchronous copies are timed until they have finished (sync=False: only until fn returns, the host's
+    share).
     """
     times = []
     for i in range(warmup + repeats):
@@ -192,7 +196,8 @@ def _time(fn: Callable[[], Any], device: torch.device, repeats: int, setup: Opti
         _sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        if sync:
+            _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -238,14 +243,16 @@ class Bench:
 
     def measure(self, method: str, direction: str, fn: Callable[[], Any], *, note: str = "",
                 setup: Optional[Callable[[], Any]] = None, repeats: Optional[int] = None, warmup: int = 1,
-                moved: Optional[int] = None, kind: Optional[str] = None) -> Row:
+                moved: Optional[int] = None, kind: Optional[str] = None, sync: bool = True,
+                note_of: Optional[Callable[[float], str]] = None) -> Row:
         """Times fn and returns its Row; a `limit` row also sets the limit of its direction. `kind` (one of
-        KINDS): "limit" for the method "limit", else "engine" for a name starting with "go.", else
-        "baseline"."""
+        KINDS): "limit" for the method "limit", "host" for the direction "host", else "engine" for a name
+        starting with "go.", else "baseline". moved=0: a host-cost row (no GB/s). note_of(median seconds), if
+        given, writes the note."""
         from torch.utils.benchmark import Measurement
         from torch.utils.benchmark.utils.common import TaskSpec
 
-        samples = _time(fn, self.device, self.repeats if repeats is None else repeats, setup, warmup)
+        samples = _time(fn, self.device, self.repeats if repeats is None else repeats, setup, warmup, sync)
         stats = Measurement(1, samples, TaskSpec(stmt=method, setup=""))
         moved = self.nbytes if moved is None else moved
         gbps = moved / stats.median / 1e9
@@ -253,7 +260,10 @@ class Bench:
             self.limits[direction] = gbps
         limit = self.limits.get(direction) if method != "limit" else None
         if kind is None:
-            kind = "limit" if method == "limit" else "engine" if method.startswith("go.") else "baseline"
+            kind = ("limit" if method == "limit" else "host" if direction == "host" else
+                    "engine" if method.startswith("go.") else "baseline")
+        if note_of is not None:
+            note = note_of(stats.median)
         row = Row(method, direction, stats.median, moved, gbps, None if limit is None else gbps / limit, note,
                   samples=list(samples), gbps_min=moved / max(samples) / 1e9, gbps_max=moved / min(samples) / 1e9,
                   iqr_seconds=stats.iqr, kind=kind)
@@ -465,10 +475,54 @@ def measure_baselines(b: Bench) -> list[Row]:
 # The best a per-tensor loop does: the baselines the engine's small-tensor layouts are compared with.
 COPY_TO, COPY_FROM = "copy_ to preallocated", "copy_ from preallocated"
 
+def measure_host_cost(b: Bench) -> list[Row]:
+    """The engine's own host work per call for this layout's number of tensors: as many one-element tensors
+    (the copies then cost next to nothing), as a dict, cached after the first call. In ms and in Y, Y being
+    one Python pass `[t.data_ptr() for t in tensors]` over the same tensors in the same run: what any
+    per-tensor Python code pays at least. On a GPU the calls are timed until they return (the host's
+    share), snapshot+wait until its copies are done."""
+    tensors = {name: torch.empty(1, dtype=b.layout.dtype, device=b.device) for name in b.tensors}
+    values = list(tensors.values())
+    arena = Arena()
+    n = len(values)
+    repeats = max(b.repeats, 5)
+    y = b.measure("host: Y", "host", lambda: [t.data_ptr() for t in values], moved=0, repeats=repeats, sync=False,
+                  note=f"one Python data_ptr() pass over {n} tensors")
+    rows = [y]
+
+    def in_y(what: str) -> Callable[[float], str]:
+        return lambda seconds: f"{seconds / y.seconds:.2f} Y; {what}" if y.seconds > 0 else what
+
+    def snapshot() -> None:
+        api.snapshot(tensors, arena=arena).wait().free()
+
+    def uncached() -> None:
+        _plan.clear_cache()
+        snapshot()
+
+    rows.append(b.measure("host: first snapshot", "host", uncached, moved=0, repeats=min(3, repeats), sync=False,
+                          note_of=in_y("uncached: the target read and laid out")))
+    rows.append(b.measure("host: snapshot+wait+free", "host", snapshot, moved=0, repeats=repeats, sync=False,
+                          note_of=in_y("cached target")))
+    snap = api.snapshot(tensors, arena=arena).wait()
+    rows.append(b.measure("host: restore", "host", lambda: api.restore(tensors, snap), moved=0, repeats=repeats,
+                          sync=False, note_of=in_y("cached target")))
+    snap.free()
+
+    def cycle() -> None:
+        api.offload(tensors, arena=arena, empty_cache=False)
+        api.reload(tensors)
+
+    rows.append(b.measure("host: offload+reload", "host", cycle, moved=0, repeats=repeats, sync=False,
+                          note_of=in_y("cached target; the allocator's own work included")))
+    return rows
+
+
 # The groups `run` measures, in order; the limits come first (every ratio is to them) and are measured again
-# after the engine's rows (see limit_drift).
+# after the engine's rows (see limit_drift); the host-cost rows, which move nothing, last.
 GROUPS: list[Callable[[Bench], list[Row]]] = [measure_limits, measure_numa_limits, measure_engine, measure_both_ways,
-                                              measure_first_use, measure_limits_again]
+                                              measure_first_use, measure_limits_again,
+                                              measure_host_cost]
 
 
 def run(layout: Layout, device: torch.device, *, repeats: int = 5, baselines: bool = True,

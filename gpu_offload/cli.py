@@ -167,9 +167,15 @@ def _gb(value: float) -> str:
 
 
 def _gbps_range(r: Any) -> str:
+    if not r.nbytes:  # a host-cost row: nothing moved
+        return "-" + (" !" if r.wide else "")
     if len(r.samples) < 2:
         return "-"  # one repeat: no spread to show
     return f"{_gb(r.gbps_min)}-{_gb(r.gbps_max)}" + (" !" if r.wide else "")
+
+
+def _gbps(r: Any) -> str:
+    return _gb(r.gbps) if r.nbytes else "-"  # a host-cost row: nothing moved
 
 
 def _bench_table(res: Any) -> Any:
@@ -190,7 +196,7 @@ def _bench_table(res: Any) -> Any:
         if kind is not None and r.kind != kind:
             table.add_section()  # the limits, gpu_offload's own methods and the per-tensor baselines apart
         kind = r.kind
-        table.add_row(r.method, r.direction, f"{r.seconds * 1e3:.2f}", _gb(r.gbps), _gbps_range(r),
+        table.add_row(r.method, r.direction, f"{r.seconds * 1e3:.2f}", _gbps(r), _gbps_range(r),
                       "" if r.ratio is None else f"{r.ratio:.3g}")
     return table
 
@@ -384,7 +390,7 @@ def markdown(results: list, meta: dict, args: argparse.Namespace) -> str:
                   "| method | dir | ms | GB/s | min-max GB/s | x limit | note |", "|---|---|---:|---:|---:|---:|---|"]
         for r in res.rows:
             ratio = "" if r.ratio is None else f"{r.ratio:.3g}"
-            lines.append(f"| {r.method} | {r.direction} | {r.seconds * 1e3:.2f} | {_gb(r.gbps)} | {_gbps_range(r)} "
+            lines.append(f"| {r.method} | {r.direction} | {r.seconds * 1e3:.2f} | {_gbps(r)} | {_gbps_range(r)} "
                          f"| {ratio} | {r.note} |")
         lines.append("")
     return "\n".join(lines)

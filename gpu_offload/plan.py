@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import logging
 import operator
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -29,6 +30,7 @@ from .arena import _env_int
 from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
 
 _MAX_CACHED = 32
+_ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python checks)
 logger = logging.getLogger("gpu_offload")
 
 
@@ -203,14 +205,37 @@ def gather_max_bytes() -> int:
 
 
 class TargetPlan:
-    """A target's layout and copy plans, valid while its tensors are the same objects at the same addresses."""
+    """A target's layout and copy plans, valid while its tensors are the same objects at the same addresses.
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor], ptrs: list[int], bound: Bound) -> None:
+    Checked on every call by `valid()`: with the torch-aware helper, one C++ pass over the tensors against
+    a TargetRecord (the same objects, TensorImpls, storages, views, storage memory and sizes); without it,
+    the per-tensor Python checks below."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], ptrs: list[int], bound: Bound,
+                 plain: Optional[list[torch.Tensor]] = None) -> None:
         self.names = names
-        # The cache key is the tensors' ids; when any of them dies its id may be reused, so the plan leaves
-        # the cache then (the weakref callback) and a hit needs no identity check per tensor.
-        key = tuple(map(id, tensors))
-        self.key = key
+        self.layout: Layout = bound.layout
+        self.keys = bound.keys
+        self.storage_nbytes = [s.nbytes() for s in bound.storages]
+        self._storage_ptrs: Optional[list[int]] = data_ptrs(bound.storages)
+        # The helper's record of plain targets (exact Tensor/Parameter): it checks identity itself, so the
+        # cache key needs only the count and the two ends.
+        self.record: Any = None
+        if _ext is not None and tensors and plain is tensors:
+            record = _ext.record(tensors)
+            # (It reads what bind() read, or the plan is not one to record.)
+            if (record is not None and record.keys() == self.keys
+                    and record.storage_nbytes() == self.storage_nbytes == [s.nbytes for s in bound.layout.storages]):
+                self.record = record
+        if self.record is not None:
+            self.key: tuple[Any, ...] = ("record", len(tensors), id(tensors[0]), id(tensors[-1]))
+            self.ptrs = ptrs
+        else:
+            # The cache key is the tensors' ids; when any of them dies its id may be reused, so the plan
+            # leaves the cache then (the weakref callback) and a hit needs no identity check per tensor.
+            self.key = tuple(map(id, tensors))
+            self.ptrs = ptrs
+        key = self.key
         fired: list[bool] = []
 
         def forget(_: Any) -> None:
@@ -219,18 +244,28 @@ class TargetPlan:
                 fired.append(True)
                 _forget(key)
 
-        self.refs = [weakref.ref(t, forget) for t in tensors]
-        self.ptrs = ptrs
-        self.layout: Layout = bound.layout
-        self.keys = bound.keys
-        self.storage_nbytes = [s.nbytes() for s in bound.storages]
-        self.storage_ptrs = data_ptrs(bound.storages)
+        # With a record, identity is checked in C++: one weak reference, to the first storage, is enough to
+        # drop the plan of a dead target promptly (a plan whose other tensors died is merely never valid),
+        # and the tensors carry none (torch.utils.swap_tensors refuses tensors that have one).
+        self.refs = ([weakref.ref(bound.storages[0], forget)] if self.record is not None
+                     else [weakref.ref(t, forget) for t in tensors])
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         first: dict[int, int] = {}
         for i, spec in enumerate(bound.layout.tensors):
             first.setdefault(spec.storage, i)
         self.first_tensor = [first[i] for i in range(len(bound.layout.storages))]
+        specs = bound.layout.storages
+        self.host_offsets = [s.host_offset for s in specs]
+        # The storages that hold memory (an offload releases these), and the copies' device groups.
+        self.live = [i for i, s in enumerate(specs) if s.nbytes]
+        devices = [device_index(s.device) for s in specs]
+        groups: dict[int, list[int]] = {}
+        for i in self.live:
+            groups.setdefault(devices[i], []).append(i)
+        whole = len(groups) == 1 and len(self.live) == len(specs)
+        self._groups = [(d, None if whole else idx) for d, idx in sorted(groups.items())]
+        self._sizes = [s.nbytes for s in specs]
         # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
         # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
         self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
@@ -239,6 +274,101 @@ class TargetPlan:
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = _fork.new_lock()
+        self._live_columns: Optional[tuple[list[int], list[int], list[Any], list[int], list[str]]] = None
+        # The registry's OffloadedSet while an offload through this plan has released its storages (reload
+        # then goes through it), and the registry generation this plan was last found clear of (api).
+        self._offloaded: Any = None
+        self.clear_of: int = -1
+        # Its live storages were released by an offload through it (refresh()): only offload's own
+        # bookkeeping (reload, is_offloaded, refusing an offloaded target) may use it then.
+        self.released = False
+        # The messages its live storages refuse access with while offloaded (made at the first offload).
+        self.refusals: Optional[list[str]] = None
+
+    def live_columns(self) -> tuple[list[int], list[int], list[Any], list[int], list[str]]:
+        """Keys, sizes, devices, host offsets and names of the storages that hold memory (made once; shared,
+        never to be changed)."""
+        if self._live_columns is None:
+            specs, keys = self.layout.storages, self.keys
+            live = [specs[i] for i in self.live]
+            self._live_columns = ([keys[i] for i in self.live], [s.nbytes for s in live], [s.device for s in live],
+                                  [s.host_offset for s in live], [s.name for s in live])
+        return self._live_columns
+
+    def all_resizable(self, resolved: "Resolved") -> Optional[str]:
+        """None when every storage holding memory is resizable, else the name of the first that is not."""
+        if self.record is not None and self.record.all_resizable:
+            return None
+        storages = resolved.storages()
+        for i in self.live:
+            if not storages[i].resizable():
+                return self.layout.storages[i].name
+        return None
+
+    def valid(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        """Whether the target read now is still this plan's: the same names, the same tensor objects, each
+        on the same storage viewing it the same way, each storage at the same address with the same size
+        (memory freed and re-allocated at the same address with another size is not the same)."""
+        if self.names is not names and self.names != names:
+            return False
+        if self.record is not None:
+            return bool(self.record.check(tensors))
+        plain = _plain(tensors)  # (the cache key, found by lookup(), was these tensors' ids)
+        if self.ptrs != data_ptrs(plain):
+            return False
+        if not self.same_views(plain):
+            return False
+        storages = _first_storages(self, plain)
+        return ([s._cdata for s in storages] == self.keys
+                and list(map(torch.UntypedStorage.nbytes, storages)) == self.storage_nbytes)
+
+    @property
+    def storage_ptrs(self) -> list[int]:
+        """Each storage's data pointer (read again from the record after a resize)."""
+        ptrs = self._storage_ptrs
+        if ptrs is None:
+            ptrs = self._storage_ptrs = self.record.storage_data_ptrs()
+        return ptrs
+
+    @property
+    def offloaded(self) -> Any:
+        """The registry's OffloadedSet of the offload through this plan, while it is alive (a weak
+        reference: the registry owns it, and a set it dropped takes its region with it)."""
+        ref = self._offloaded
+        return ref() if ref is not None else None
+
+    @offloaded.setter
+    def offloaded(self, value: Any) -> None:
+        self._offloaded = weakref.ref(value) if value is not None else None
+
+    def watch(self, resolved: "Resolved") -> Any:
+        """A StorageWatch over the live storages (the helper's, from the record), or None."""
+        if self.record is None:
+            return None
+        return self.record.watch_live(resolved.tensors)
+
+    def refresh(self, tensors: list[torch.Tensor], released: bool) -> None:
+        """Re-reads the storages' addresses and sizes after the caller resized them (offload: `released`,
+        reload), so the plan stays valid for the target as it is now. The copy plans follow the new
+        addresses."""
+        self.released = released
+        if self.record is not None:
+            if not self.record.refresh(tensors):
+                raise OffloadError("internal error: refreshing a plan with tensors that are not its own")
+            self._storage_ptrs = None  # (storage_nbytes: only the Python check reads it)
+        else:
+            plain = _plain(tensors)
+            self.ptrs = data_ptrs(plain)
+            storages = _first_storages(self, plain)
+            self._storage_ptrs = data_ptrs(storages)
+            self.storage_nbytes = list(map(torch.UntypedStorage.nbytes, storages))
+        self._forget_copies()
+
+    def _forget_copies(self) -> None:
+        with self._lock:
+            self._copies = None
+            self._remapped = {}
+            self._split = {}
 
     def same_views(self, plain: list[torch.Tensor]) -> bool:
         """Whether every tensor still views its storage as the layout says (shape, stride, dtype).
@@ -258,18 +388,16 @@ class TargetPlan:
     def copies(self, host_offsets: Optional[list[int]] = None) -> CopyPlans:
         """Plans for the layout's own host offsets, or for other offsets (restoring another layout's
         snapshot); both cached."""
-        specs = self.layout.storages
-        if host_offsets is None or host_offsets == [s.host_offset for s in specs]:
+        if host_offsets is None or host_offsets == self.host_offsets:
             with self._lock:
                 if self._copies is None:
-                    self._copies = build_copies([(s.device, p, s.host_offset, s.nbytes)
-                                                 for s, p in zip(specs, self.storage_ptrs)])
+                    self._copies = self._build(self.host_offsets)
                 return self._copies
         key = tuple(host_offsets)
         with self._lock:
             plans = self._remapped.get(key)
             if plans is None:
-                plans = build_copies([(s.device, p, o, s.nbytes) for s, p, o in zip(specs, self.storage_ptrs, host_offsets)])
+                plans = self._build(host_offsets)
                 self._remapped = {key: plans}  # keep one: a target is restored from a few layouts at most
             return plans
 
@@ -288,6 +416,22 @@ class TargetPlan:
                          build_copies([entries[i] for i in waited]))
                 self._split = {waited: split}  # one: the buffers of a target do not change from call to call
             return split
+
+    def _build(self, host_offsets: list[int]) -> CopyPlans:
+        # From the per-storage lists, without a tuple per storage (a target of one device whose storages
+        # all hold memory passes them as they are).
+        if any(d >= 0 for d, _ in self._groups) and not _C.cuda_compiled():
+            raise OffloadError("the target has CUDA tensors but gpu_offload was built without CUDA; "
+                               "reinstall with nvcc available (GPU_OFFLOAD_CUDA=1)")
+        gather = gather_max_bytes()
+        ptrs, sizes, groups = self.storage_ptrs, self._sizes, []
+        for device, idx in self._groups:
+            if idx is None:
+                groups.append((device, _C.CopyPlan(device, ptrs, host_offsets, sizes, gather)))
+            else:
+                groups.append((device, _C.CopyPlan(device, [ptrs[i] for i in idx], [host_offsets[i] for i in idx],
+                                                   [sizes[i] for i in idx], gather)))
+        return CopyPlans(groups)
 
 
 class Resolved:
@@ -417,14 +561,14 @@ class _ViewCheck:
             return False
 
 
-_cache: "OrderedDict[tuple[int, ...], TargetPlan]" = OrderedDict()
+_cache: "OrderedDict[tuple[Any, ...], TargetPlan]" = OrderedDict()
 _cache_lock = _fork.new_lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
 # append here; the cache itself is pruned at the next lookup, under the lock).
-_dead_keys: list[tuple[int, ...]] = []
+_dead_keys: list[tuple[Any, ...]] = []
 
 
-def _forget(key: tuple[int, ...]) -> None:
+def _forget(key: tuple[Any, ...]) -> None:
     _dead_keys.append(key)
 
 
@@ -445,31 +589,90 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     reach past their storages are not cached (the caller reports them).
     """
     names, tensors = _split(named)
-    try:
-        plain: Optional[list[torch.Tensor]] = _plain(tensors)
-        ptrs: Optional[list[int]] = list(map(torch.Tensor.data_ptr, plain))
-    except Exception:  # not all tensors: bind() below says what is wrong
-        plain = ptrs = None
-    if nbytes_of is None and plain is not None:
-        key = tuple(map(id, tensors))
-        with _cache_lock:
-            _prune()
-            plan = _cache.get(key)
-            if plan is not None:
-                _cache.move_to_end(key)
-        if plan is not None and plan.ptrs == ptrs and plan.names == names and plan.same_views(plain):
-            # Same tensors at the same addresses viewing them the same way; the storages must be the same
-            # ones with the same sizes too (memory freed and re-allocated at the same address with another
-            # size is not the same).
-            storages = _first_storages(plan, plain)
-            if ([s._cdata for s in storages] == plan.keys
-                    and list(map(torch.UntypedStorage.nbytes, storages)) == plan.storage_nbytes):
-                _stats["hits"] += 1
-                return Resolved(plan, plain, storages, True)
+    if nbytes_of is None:
+        plan = lookup(names, tensors)
+        # A plan an offload released is used only to say so (it is registered through it); otherwise the
+        # storages were emptied some other way (discard) and a fresh bind says what is wrong.
+        if plan is not None and (not plan.released or plan.offloaded is not None):
+            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
+    start = time.perf_counter()
     bound = bind(named, nbytes_of)
     _stats["misses"] += 1
     plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
+                     "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
+                     len(bound.storages), (time.perf_counter() - start) * 1e3)
     return Resolved(plan, _plain(tensors), bound.storages, False)
+
+
+def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
+    """The cached plan that is still valid for these tensors under these names, or None (a cache hit is
+    counted)."""
+    candidates = []
+    if _ext is not None and tensors:
+        candidates.append(("record", len(tensors), id(tensors[0]), id(tensors[-1])))
+    with _cache_lock:
+        _prune()
+        plan = _cache.get(candidates[0]) if candidates else None
+    if plan is None:
+        try:
+            key = tuple(map(id, tensors))
+        except TypeError:
+            return None
+        with _cache_lock:
+            plan = _cache.get(key)
+    if plan is None:
+        return None
+    try:
+        ok = plan.valid(names, tensors)
+    except Exception:  # not all tensors: bind() says what is wrong
+        return None
+    if not ok:
+        return None
+    with _cache_lock:
+        if _cache.get(plan.key) is plan:
+            _cache.move_to_end(plan.key)
+    _stats["hits"] += 1
+    return plan
+
+
+def cached(named: Sequence[tuple[str, torch.Tensor]]) -> Optional[Resolved]:
+    """The target's cached plan if it is still valid, else None; never binds."""
+    names, tensors = _split(named)
+    plan = lookup(names, tensors)
+    if plan is None:
+        return None
+    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
+
+
+def resize(resolved: Resolved, release: bool) -> None:
+    """`untyped_storage().resize_(n)` of a resolved target's live storages (those that hold memory in its
+    layout), in order: to 0 (release) or back to their layout sizes; the plan then follows the target as
+    it is (refresh()). One C++ call for all of them where the
+    helper recorded the target and every storage is a CPU one, else one call each (torch's CUDA resize
+    lives in libtorch_cuda, which the helper does not link). Stops at the first failure with the earlier
+    ones resized (callers undo by size)."""
+    plan = resolved.plan
+    if plan.record is not None and plan.record.all_cpu:
+        # Reaches the storages through the tensors, checks they are still the recorded ones, and keeps the
+        # record up to date as it goes (so the plan needs no refresh()).
+        plan.record.resize_live(resolved.tensors, release)
+        plan.released, plan._storage_ptrs = release, None
+        plan._forget_copies()
+        return
+    storages, specs = resolved.storages(), plan.layout.storages
+    for i in plan.live:
+        storages[i].resize_(0 if release else specs[i].nbytes)
+    plan.refresh(resolved.tensors, released=release)
+
+
+def increment_version(tensors: list[torch.Tensor]) -> None:
+    """torch.autograd.graph.increment_version(tensors), in one C++ pass where the helper is loaded."""
+    if _ext is not None and type(tensors) is list:
+        _ext.bump_versions(tensors)
+    else:
+        torch.autograd.graph.increment_version(tensors)
 
 
 def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
@@ -493,7 +696,8 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
         info = shard_info()
         if info is not None:
             bound.layout = dataclasses.replace(bound.layout, shard_info=info)
-    plan = TargetPlan(names, tensors, data_ptrs(_plain(tensors)), bound)
+    plain = _plain(tensors)
+    plan = TargetPlan(names, tensors, data_ptrs(plain), bound, plain)
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering.
     if (cache and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
             and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))

@@ -1,14 +1,19 @@
 """The offload registry: which storages are offloaded, and where their bytes are in the arena.
 
-Keyed by storage identity rather than by target, so that a list is its parts: offload([model, opt]) then
-is_offloaded(model) or reload([model, opt]) with a new list just work. Every read and write holds `lock`.
+One OffloadedSet per offload call: the storages it released, their sizes and places in one region, and a
+watch on them. Lookups are still by storage identity, so that a list is its parts: offload([model, opt])
+then is_offloaded(model) or reload([model, opt]) with a new list just work (`entries`, a mapping from a
+storage's key to its record, built from the sets when first asked after a change). The common cycle,
+offload(target) then reload(target), touches no per-storage Python object: it adds one set and removes it.
+Every read and write holds `lock`.
 
-Gradients released by `offload(grads="drop")` have entries too, without a region: they have no host copy,
-and reload re-allocates them zeroed.
+The registry holds no storage: each set watches its storages through weak references (in one C++ object
+with the torch-aware helper; a weakref per storage without it), and when a storage dies (the model was
+dropped, a parameter replaced while offloaded) its record is dropped and its share of the region goes back
+to the arena, at the next call that takes the lock.
 
-The registry holds no storage: each entry watches its storage through a weak reference, and when the
-storage dies (the model was dropped, a parameter replaced while offloaded) the entry is dropped and its
-host bytes go back to the arena, at the next call that takes the lock.
+Gradients released by `offload(grads="drop")` are registered too, in a set without a region: they have no
+host copy, and reload re-allocates them zeroed.
 
 Touching offloaded state raises instead of reading released memory: the storages refuse access to their data
 (with the torch-aware helper), and offloaded modules and optimizers get hooks that raise OffloadError first
@@ -20,9 +25,9 @@ from __future__ import annotations
 import _thread
 import collections
 import functools
+import itertools
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, cast
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import torch
 
@@ -33,33 +38,185 @@ from ._ext import _C  # type: ignore[attr-defined]
 from .arena import Region
 from .storages import Layout, StorageSpec, unwrap
 
+_ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python paths)
 
-@dataclass
+
+class OffloadedSet:
+    """The storages one offload released, with their bytes in one region (the registry's unit).
+
+    Positions that were reloaded, discarded or whose storage died are no longer `alive`; the region keeps
+    one user per live position. `alive` is only ever replaced whole, in one step (see drop_keys)."""
+
+    def __init__(self, keys: list[int], nbytes: list[int], devices: list[torch.device], host_offsets: list[int],
+                 indices: list[int], names: list[str], region: Optional[Region], events: list[Any], checksums: Any,
+                 storages: Sequence[Any] = (), watch: Any = None) -> None:
+        self.keys = keys
+        self.nbytes = nbytes
+        self.devices = devices
+        self.host_offsets = host_offsets
+        self.indices = indices  # each storage's index in the offload's layout (its checksum's)
+        self.names = names  # the first tensor that views each storage, for messages
+        self.region = region  # None: gradients dropped by offload(grads="drop"), re-allocated zeroed by reload
+        self.events = events  # the D2H copy that filled the region (and reloads that read it, once failed)
+        self.checksums = checksums  # integrity.Checksums of the offload's layout, or None
+        self.alive = bytearray(b"\x01") * len(keys)
+        # The storages are watched, not held: `watch` (a StorageWatch the caller made, e.g. from its plan's
+        # record), else `storages` (tensors or UntypedStorages, held by the caller now): one C++ object with
+        # the helper, a weakref per storage without it.
+        self._watch: Any = watch
+        self.dead_positions: list[int] = []  # reported dead by the watch, not dropped yet (see dead())
+        self._refs: list[Any] = []
+        if watch is None and _ext is not None:
+            self._watch = _ext.StorageWatch(storages)
+        elif watch is None:
+            for pos, st in enumerate(storages):
+                if isinstance(st, torch.Tensor):
+                    st = st.untyped_storage()
+                # torch keeps a storage's Python object alive as long as the storage itself, so a weak
+                # reference to it dies with the storage. The callback is C code (dict.__setitem__ through
+                # functools.partial: no interrupt can fall before it records) and holds no reference to the
+                # set (no cycle through it).
+                self._refs.append(weakref.ref(st, functools.partial(_dead.__setitem__, (id(self), pos))))
+
+    @property
+    def num_alive(self) -> int:
+        return self.alive.count(1)
+
+    @property
+    def whole(self) -> bool:
+        return 0 not in self.alive
+
+    def record(self, pos: int) -> "Offloaded":
+        return Offloaded(self, pos)
+
+    def dead(self) -> list[int]:
+        """Positions whose storage died and that are not dropped yet (prune drops them, then forgets them
+        here). The helper's watch reports each death once; what it reports lands in this list inside C code
+        (extend over map), so that no interrupt can lose a death between the report and the list."""
+        if self._watch is not None:
+            self.dead_positions.extend(itertools.chain.from_iterable(map(type(self._watch).dead, (self._watch,))))
+        return self.dead_positions
+
+    def forget(self, positions: Optional[Sequence[int]]) -> None:
+        """Stops watching positions (None: all) that are no longer offloaded."""
+        if self._watch is not None:
+            if positions is None or 1 not in self.alive:
+                self._watch.forget_all()
+            else:
+                self._watch.forget(list(positions))
+        elif positions is None or 1 not in self.alive:
+            self._refs = []
+
+
 class Offloaded:
-    """Where an offloaded storage's bytes are."""
+    """One offloaded storage: a view of its position in an OffloadedSet."""
 
-    nbytes: int
-    device: torch.device
-    region: Optional[Region]  # None: a gradient dropped by offload(grads="drop"), re-allocated zeroed by reload
-    host_offset: int
-    events: list[Any]  # the D2H copy that filled the region
-    # Watches the storage: its callback drops the entry when the storage dies (a key, the StorageImpl
-    # address, could otherwise be reused by a new storage).
-    ref: Optional[weakref.ref] = None
-    checksums: Any = None  # integrity.Checksums of the offload's layout (offload(checksum=True)), or None
-    index: int = 0  # this storage's index in that layout
-    name: str = ""  # the first tensor that views it, for messages
+    __slots__ = ("owner", "pos")
+
+    def __init__(self, owner: OffloadedSet, pos: int) -> None:
+        self.owner = owner
+        self.pos = pos
+
+    nbytes = property(lambda self: self.owner.nbytes[self.pos])
+    device = property(lambda self: self.owner.devices[self.pos])
+    region = property(lambda self: self.owner.region)
+    host_offset = property(lambda self: self.owner.host_offsets[self.pos])
+    checksums = property(lambda self: self.owner.checksums)
+    index = property(lambda self: self.owner.indices[self.pos])
+    name = property(lambda self: self.owner.names[self.pos])
+
+    @property
+    def events(self) -> list[Any]:
+        return self.owner.events
+
+    @events.setter
+    def events(self, value: list[Any]) -> None:
+        self.owner.events = list(value)  # shared by the set: every copy reading the region is waited for
 
 
-entries: dict[int, Offloaded] = {}
-# Entries whose storage died: key -> the entry's weakref. Weakref callbacks may run inside any allocation, even while
-# this thread iterates `entries`, so they only record here; the entries are dropped under the lock. The callback is
-# C code (dict.__setitem__ through functools.partial), so no interrupt can fall before it records.
-_dead: dict[int, "weakref.ref[Any]"] = {}
+_sets: list[OffloadedSet] = []
+# Storages that died, from the weakref callbacks (no helper): (id of the set, position) -> the weakref. Weakref
+# callbacks may run inside any allocation, even while this thread iterates the sets, so they only record here;
+# the records are dropped under the lock (prune), and forgotten only once handled.
+_dead: dict[tuple[int, int], "weakref.ref[Any]"] = {}
+_index: Optional[dict[int, tuple[OffloadedSet, int]]] = None  # key -> (set, position), built on demand
+# Counts offloads: a cached plan found clear of offloaded storages stays so until the next offload (api).
+generation = 0
+
+
+def _changed() -> None:
+    # Called before every change of _sets or of a set's `alive`: an interrupt between the two leaves an index
+    # that is rebuilt, never a stale one.
+    global _index
+    _index = None
+
+
+def _key_index() -> dict[int, tuple[OffloadedSet, int]]:
+    global _index
+    index = _index
+    if index is None:
+        index = {}
+        for s in _sets:
+            alive = s.alive
+            if 0 not in alive:
+                index.update(zip(s.keys, zip(itertools.repeat(s), range(len(s.keys)))))
+            else:
+                for pos, key in enumerate(s.keys):
+                    if alive[pos]:
+                        index[key] = (s, pos)
+        _index = index
+    return index
+
+
+class _Entries:
+    """The offloaded storages by key (StorageImpl address): `key in entries`, `entries[key]` (an Offloaded),
+    `entries.pop(key)` (no longer offloaded; the caller releases its region user). Call with the lock held."""
+
+    def __bool__(self) -> bool:
+        return bool(_sets)
+
+    def __len__(self) -> int:
+        return len(_key_index()) if _sets else 0
+
+    def __contains__(self, key: object) -> bool:
+        return bool(_sets) and key in _key_index()
+
+    def __getitem__(self, key: int) -> Offloaded:
+        owner, pos = _key_index()[key]
+        return Offloaded(owner, pos)
+
+    def get(self, key: int, default: Any = None) -> Any:
+        found = _key_index().get(key) if _sets else None
+        return default if found is None else Offloaded(*found)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        found = _key_index().get(key) if _sets else None
+        if found is None:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        drop_keys([key])
+        return Offloaded(*found)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(_key_index()) if _sets else [])
+
+    def keys(self) -> list[int]:
+        return list(_key_index()) if _sets else []
+
+    def items(self) -> list[tuple[int, Offloaded]]:
+        return [(k, Offloaded(*v)) for k, v in _key_index().items()] if _sets else []
+
+    def values(self) -> list[Offloaded]:
+        return [Offloaded(*v) for v in _key_index().values()] if _sets else []
+
+
+entries = _Entries()
 
 
 class _Lock(_thread.RLock):  # type: ignore[misc]  # final in the stubs, subclassable at run time
-    """The registry's re-entrant lock; taking it first drops the entries of storages that died.
+    """The registry's re-entrant lock; taking it (the outermost time) first drops the records of storages
+    that died (not inside: a caller holding the lock may hold positions of the sets).
 
     Owned from the moment it is taken, whatever interrupts: the acquisition's result lands in a list inside
     C code (map, extend), so an interrupt right after it is seen by the handler below and released, and
@@ -69,9 +226,11 @@ class _Lock(_thread.RLock):  # type: ignore[misc]  # final in the stubs, subclas
 
     def __enter__(self) -> "_Lock":  # type: ignore[override]
         taken: list[bool] = []
+        outer = not self._is_owned()  # (only this thread changes whether it owns the lock)
         try:
             taken.extend(map(_thread.RLock.acquire, (self,)))
-            prune()
+            if outer:
+                prune()
         except BaseException:
             if taken:
                 self.release()
@@ -83,37 +242,123 @@ lock = _fork.track(_Lock())
 
 
 def prune() -> None:
-    """Drops the entries of dead storages and releases their regions (call with the lock held)."""
+    """Drops the records of dead storages and releases their share of the region (call with the lock held).
+    With the helper, one C++ pass over each set's weak references."""
+    if not _sets:
+        _dead.clear()
+        return
+    for s in list(_sets):
+        dead = s.dead()
+        if dead:
+            n = len(dead)
+            _release_positions(s, dead[:n])  # (positions dropped already are skipped: a retry after an interrupt)
+            del dead[:n]
+        elif 1 not in s.alive:  # left by an interrupted commit: nothing of it is offloaded
+            remove(s)
     while _dead:
-        # Forgotten only once handled: an interrupt in between leaves it to the next prune, not lost with an
-        # entry whose key a new storage may take.
-        key, ref = next(iter(_dead.items()))
-        record = entries.get(key)
-        if record is not None and record.ref is ref:  # not a new storage that took the same address since
-            del entries[key]
-            if record.region is not None:
-                record.region.release(record.events)
-        if _dead.get(key) is ref:
-            del _dead[key]
+        item, ref = next(iter(_dead.items()))
+        sid, pos = item
+        s = next((x for x in _sets if id(x) == sid), None)
+        # Not a set that died and whose id a new one took since: the weakref is the set's own.
+        if s is not None and pos < len(s._refs) and s._refs[pos] is ref and s.alive[pos]:
+            _release_positions(s, [pos])
+        if _dead.get(item) is ref:  # forgotten only once handled
+            del _dead[item]
 
 
-def watch(key: int, storage: torch.UntypedStorage, record: Offloaded) -> None:
-    """Adds an entry that is dropped when `storage` dies (torch keeps a storage's Python object alive as
-    long as the storage itself, so a weak reference to it dies with the storage)."""
-    record.ref = weakref.ref(storage, functools.partial(_dead.__setitem__, key))  # no cycle through the record
-    entries[key] = record
+def _release_positions(s: OffloadedSet, positions: list[int]) -> None:
+    for owner, dropped in drop_keys([s.keys[p] for p in positions], only=s):
+        if owner.region is not None:
+            owner.region.release(owner.events, count=len(dropped))
+
+
+def drop_keys(keys: Sequence[int], only: Optional[OffloadedSet] = None) -> list[tuple[OffloadedSet, list[int]]]:
+    """Marks these storages as no longer offloaded (those that are; of set `only`, if given), and returns,
+    per set, the positions dropped: their region users are the caller's to release. Call with the lock held.
+
+    Every set's new `alive` is computed first and all are put in place by one call of C code, so that an
+    interrupt leaves either all of them offloaded or none; emptied sets are unregistered after that."""
+    index = _key_index() if _sets else {}
+    by_set: dict[int, tuple[OffloadedSet, list[int]]] = {}
+    for key in keys:
+        found = index.get(key)
+        if found is not None and (only is None or found[0] is only):
+            by_set.setdefault(id(found[0]), (found[0], []))[1].append(found[1])
+    groups = list(by_set.values())
+    if not groups:
+        return []
+    alive = []
+    for owner, positions in groups:
+        if len(positions) == len(owner.keys):
+            alive.append(bytearray(len(owner.keys)))
+        else:
+            new = bytearray(owner.alive)
+            for p in positions:
+                new[p] = 0
+            alive.append(new)
+    owners = [g[0] for g in groups]
+    _changed()
+    collections.deque(map(setattr, owners, itertools.repeat("alive"), alive), maxlen=0)  # the commit
+    for owner, positions in groups:
+        if 1 not in owner.alive:
+            remove(owner)
+        owner.forget(positions)
+    return groups
+
+
+def add(s: OffloadedSet) -> None:
+    """Registers an offload's set (call with the lock held)."""
+    global generation
+    generation += 1
+    _changed()
+    _sets.append(s)
+
+
+def remove(s: OffloadedSet) -> bool:
+    """Unregisters a set in one step (its region users are the caller's to release); False if it was not
+    registered."""
+    _changed()
+    try:
+        _sets.remove(s)
+    except ValueError:
+        return False
+    return True
+
+
+def registered(s: OffloadedSet) -> bool:
+    """Whether a set is still registered (its live positions are offloaded)."""
+    return s in _sets  # (identity: sets have no __eq__; C code, no generator an interrupt could land in)
+
+
+def offloaded_any(keys: Any) -> bool:
+    """Whether any of these storage keys is offloaded (call with the lock held)."""
+    return bool(_sets) and not _key_index().keys().isdisjoint(keys)
+
+
+def offloaded_name(keys: Sequence[int]) -> Optional[str]:
+    """The name of the first of these storages that is offloaded, or None (call with the lock held)."""
+    if not _sets:
+        return None
+    index = _key_index()
+    if index.keys().isdisjoint(keys):
+        return None
+    for key in keys:
+        found = index.get(key)
+        if found is not None:
+            return found[0].names[found[1]]
+    return None
 
 
 def sizes() -> dict[int, int]:
     """Offloaded storage sizes by key (what bind() needs to lay out an offloaded target)."""
     with lock:
-        return {k: r.nbytes for k, r in entries.items()}
+        return {k: s.nbytes[pos] for k, (s, pos) in _key_index().items()} if _sets else {}
 
 
 def total_bytes() -> int:
     """Bytes held in host memory for offloaded storages (dropped gradients hold none)."""
     with lock:
-        return sum(r.nbytes for r in entries.values() if r.region is not None)
+        return sum(sum(itertools.compress(s.nbytes, s.alive)) for s in _sets if s.region is not None)
 
 
 # -- integrity: reload(verify=True) -------------------------------------------------------------------------
@@ -166,11 +411,16 @@ def _refusal(name: str) -> str:
             "call gpu_offload.reload() on its model or optimizer before using it")
 
 
-def refuse(storages: list[torch.UntypedStorage], names: list[str]) -> None:
-    """Makes offloaded storages refuse any access to their data, each naming its tensor (one C++ call;
-    nothing without the helper)."""
+def refusals(names: Sequence[str]) -> list[str]:
+    """The messages refuse() gives the storages of these tensors (a plan keeps its own: see api)."""
+    return list(map(_refusal, names))
+
+
+def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[list[str]] = None) -> None:
+    """Makes offloaded storages (or their keys, which the caller keeps alive) refuse any access to their
+    data, each naming its tensor (one C++ call; nothing without the helper)."""
     if storages and torch_ext.access_guard_available():
-        torch_ext.refuse_access(storages, list(map(_refusal, names)))
+        torch_ext.refuse_access(storages, messages if messages is not None else refusals(names))
 
 
 def allow(storages: list[Any]) -> None:
@@ -205,10 +455,11 @@ def _optimizer_keys(optimizer: torch.optim.Optimizer) -> Iterator[int]:
 
 def _holds_offloaded(obj: Any) -> bool:
     with lock:
-        if not entries:
+        if not _sets:
             return False
+        index = _key_index()
         keys = _optimizer_keys(obj) if isinstance(obj, torch.optim.Optimizer) else _keys_of(obj)
-        return any(k in entries for k in keys)
+        return any(k in index for k in keys)
 
 
 def top_modules(target: Any) -> Iterator[torch.nn.Module]:
@@ -398,5 +649,5 @@ def unguard(target: Any) -> None:
     with lock:
         for top in [*top_modules(target), *top_optimizers(target)]:
             record = _guards.get(top)
-            if record is not None and entries.keys().isdisjoint(record.keys):
+            if record is not None and not offloaded_any(record.keys):
                 _release(top)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Any, Callable, Iterator
 import dis
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 
 import gpu_offload as go
+from gpu_offload import torch_ext
 
 _MIB = 1 << 20
 
@@ -104,6 +103,23 @@ def node_budget(directory: Any, max_bytes: int) -> Iterator[None]:
         yield
     finally:
         _C.node_ledger_configure(before_dir, before or 0)
+
+
+@pytest.fixture(params=["helper", "python"])
+def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Runs a test with the engine's per-call work done by the torch-aware helper (gpu_offload._torch_ext:
+    target records, module traversals, batched resizes and watches), and again with the pure-Python path
+    it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0)."""
+    from gpu_offload import adapters, plan, registry
+
+    if request.param == "helper" and torch_ext.ext is None:
+        pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
+    if request.param == "python":
+        for module in (plan, registry, adapters):
+            monkeypatch.setattr(module, "_ext", None)
+    plan.clear_cache()
+    yield request.param
+    plan.clear_cache()
 
 
 @pytest.fixture
@@ -217,3 +233,24 @@ def every_interrupt(fn: Callable[[], Any], check: Callable[[int], None], where: 
         interrupt_at(k, fn, where)
         check(k)
     return points
+
+
+def inject_resize_failure(monkeypatch: pytest.MonkeyPatch, k: int, exc: type[BaseException],
+                          when: Callable[[int], bool] = lambda size: True) -> dict[str, int]:
+    """Makes the k-th storage resize (among those whose new size `when` selects) raise exc before it is
+    done, whichever way the engine resizes: one storage per call (UntypedStorage.resize_) or many in one
+    C++ call (the torch-aware helper's TargetRecord.resize_live; the storages before the k-th are resized
+    then, as when its loop fails there)."""
+    calls = inject_failure(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: when(size))
+    if torch_ext.ext is not None:
+        patched_resize = torch.UntypedStorage.resize_  # counts and raises
+
+        def resize_live(record: Any, tensors: list[torch.Tensor], release: bool) -> None:
+            try:
+                for first, nbytes in record.live():
+                    patched_resize(tensors[first].untyped_storage(), 0 if release else nbytes)
+            finally:
+                record.refresh(tensors)  # the record follows its storages, as resize_live's own loop does
+
+        monkeypatch.setattr(torch_ext.ext.TargetRecord, "resize_live", resize_live)
+    return calls

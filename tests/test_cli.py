@@ -36,6 +36,7 @@ TINY_LAYOUT = {"name": "tiny-test", "dtype": "float32", "runs": [[[128, 256], 6]
 TINY_TENSORS = 9
 TINY_BYTES = (6 * 128 * 256 + 3 * 256) * 4
 ENGINE_METHODS = {"go.snapshot+wait", "go.restore", "go.offload", "go.reload"}
+HOST_METHODS = ["host: Y", "host: first snapshot", "host: snapshot+wait+free", "host: restore", "host: offload+reload"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -83,6 +84,8 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     assert (res["num_tensors"], res["nbytes"], res["scale"], res["repeats"]) == (num_tensors, nbytes, scale, repeats)
     rows = res["rows"]
     repeats = res["repeats"]
+    check_host_rows([r for r in rows if r["direction"] == "host"], repeats)
+    rows = [r for r in rows if r["direction"] != "host"]
     for r in rows:
         assert set(r) == {"method", "direction", "seconds", "nbytes", "gbps", "ratio", "note", "samples", "gbps_min",
                           "gbps_max", "iqr_seconds", "spread", "kind"}, r
@@ -118,6 +121,19 @@ def check_result(res: dict, *, layout: str, num_tensors: int, nbytes: int, scale
     assert arena["capacity_bytes"] >= nbytes
 
 
+def check_host_rows(rows: list[dict], repeats: int) -> None:
+    """The host-cost rows: ms per call (nothing moved, no GB/s) and, in the note, the same in Y."""
+    assert [r["method"] for r in rows] == HOST_METHODS
+    y = rows[0]["seconds"]
+    for r in rows:
+        assert r["nbytes"] == 0 and r["gbps"] == 0 and r["ratio"] is None and r["kind"] == "host", r
+        assert r["seconds"] > 0 and min(r["samples"]) <= r["seconds"] <= max(r["samples"]), r
+        assert r["spread"] == pytest.approx(max(r["samples"]) / min(r["samples"]), rel=1e-9), r
+        if r is not rows[0]:
+            assert r["note"].startswith(f"{r['seconds'] / y:.2f} Y; "), r
+    assert len(rows[2]["samples"]) == max(repeats, 5)
+
+
 def check_table(stdout: str, res: dict) -> None:
     """The printed table shows the same methods, GB/s and ratios as the JSON, in the same order."""
     rows = bench_rows(stdout)
@@ -126,9 +142,13 @@ def check_table(stdout: str, res: dict) -> None:
         method, direction, ms, gbps, span, ratio = cells
         assert method == r["method"], "method names are printed in full (no truncation when piped)"
         assert direction == r["direction"]
-        assert gbps == f"{r['gbps']:.3g}" and ms == f"{r['seconds'] * 1e3:.2f}"
-        assert span == ("-" if len(r["samples"]) == 1 else
-                        f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + (" !" if r["spread"] > 1.5 else ""))
+        assert ms == f"{r['seconds'] * 1e3:.2f}"
+        wide = " !" if r["spread"] > 1.5 else ""
+        if r["direction"] == "host":
+            assert (gbps, span) == ("-", "-" + wide)
+            continue
+        assert gbps == f"{r['gbps']:.3g}"
+        assert span == ("-" if len(r["samples"]) == 1 else f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}" + wide)
         assert ratio == ("" if r["ratio"] is None else f"{r['ratio']:.3g}")
 
 
@@ -179,10 +199,12 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     # Piped (stdout is not a terminal): each measurement once, in the table (no line per measurement as
     # well), and what each method does once, under it.
     for r in res["rows"]:
+        if r["direction"] == "host":  # no GB/s: its ms are its figures
+            continue
         figures = f"{r['gbps_min']:.3g}-{r['gbps_max']:.3g}"
         assert sum(figures in line for line in proc.stdout.splitlines()) == 1, (figures, proc.stdout)
     legend = proc.stdout.split("\nmethods")[1].splitlines()
-    for method in ("limit", "go.snapshot+wait", "p.cpu().clone()", "copy_ to preallocated"):
+    for method in ("limit", "go.snapshot+wait", "p.cpu().clone()", "copy_ to preallocated", "host: Y"):
         assert sum(line.split("  ")[0] == method for line in legend) == 1, (method, legend)
     wide = [r for r in res["rows"] if r["spread"] > 1.5]
     assert ("varied more than 1.5x between repeats" in proc.stdout) == bool(wide)
@@ -199,7 +221,8 @@ def test_bench_table_json_and_png(workdir: Path) -> None:
     assert len(md_rows) == len(res["rows"])
     for line, r in zip(md_rows, res["rows"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", f"{r['gbps']:.3g}"], line
+        gbps = "-" if r["direction"] == "host" else f"{r['gbps']:.3g}"
+        assert cells[:4] == [r["method"], r["direction"], f"{r['seconds'] * 1e3:.2f}", gbps], line
 
     png = (workdir / "out/bench.png").read_bytes()
     assert png[:8] == PNG_MAGIC

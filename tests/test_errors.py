@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, inject_failure
+from conftest import assert_bitwise_equal, inject_resize_failure
 
 
 def _state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -174,8 +174,7 @@ def test_reload_allocation_failure_keeps_the_target_offloaded_and_retry_works(ar
     expected = {k: v.clone() for k, v in state.items()}
     go.offload(state, arena=arena)
     # The second allocation fails, as a full device would.
-    inject_failure(monkeypatch, torch.UntypedStorage, "resize_", 2, torch.OutOfMemoryError,
-                   when=lambda self, size: size > 0)
+    inject_resize_failure(monkeypatch, 2, torch.OutOfMemoryError, when=lambda size: size > 0)
     with pytest.raises(go.OffloadError, match="still offloaded with its data intact"):
         go.reload(state)
     assert go.is_offloaded(state)

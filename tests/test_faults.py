@@ -16,13 +16,15 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, inject_failure, node_budget, random_tensor
 import conftest
-from conftest import assert_bitwise_equal, every_interrupt, inject_failure, random_tensor
+from conftest import assert_bitwise_equal, every_interrupt, inject_failure, inject_resize_failure, node_budget, random_tensor
 from gpu_offload import integrity as _integrity
 from gpu_offload import plan as _plan
 from gpu_offload import registry as _registry
 from gpu_offload._ext import _C
+
+# Every test runs with the torch-aware helper and with the pure-Python path (conftest.checks).
+pytestmark = pytest.mark.usefixtures("checks")
 
 _BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -73,7 +75,7 @@ def test_offload_interrupted_while_releasing_storages_leaves_the_target_untouche
     state = _state(device)
     expected = _copy(state)
     used, offloaded = arena.used_bytes, go.offloaded_bytes()
-    calls = inject_failure(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size == 0)
+    calls = inject_resize_failure(monkeypatch, k, exc, when=lambda size: size == 0)
     with pytest.raises(exc, match="injected"):
         go.offload(state, arena=arena)
     monkeypatch.undo()
@@ -106,7 +108,7 @@ def test_reload_interrupted_while_allocating_keeps_the_target_offloaded(device, 
     expected = _copy(state)
     go.offload(state, arena=arena)
     used, offloaded = arena.used_bytes, go.offloaded_bytes()
-    inject_failure(monkeypatch, torch.UntypedStorage, "resize_", k, exc, when=lambda self, size: size > 0)
+    inject_resize_failure(monkeypatch, k, exc, when=lambda size: size > 0)
     # An allocation failure becomes a clear OffloadError; an interrupt stays what it is.
     with pytest.raises(go.OffloadError if exc is MemoryError else exc, match="injected"):
         go.reload(state)

@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 import gpu_offload as go
 from conftest import _cuda_ok, random_tensor
 
+# Every test runs with the torch-aware helper and with the pure-Python path (conftest.checks).
+pytestmark = pytest.mark.usefixtures("checks")
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

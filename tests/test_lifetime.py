@@ -45,11 +45,14 @@ def _host_address(t: torch.Tensor) -> int:
         return record.region.ptr + record.host_offset
 
 
-def _run(code: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    """Runs a race in a child process: on the code this fixes it crashed (SIGSEGV) rather than failed."""
+def _run(code: str, timeout: int = 240, helper: bool = True) -> subprocess.CompletedProcess[str]:
+    """Runs a race in a child process: on the code this fixes it crashed (SIGSEGV) rather than failed.
+    helper=False: with the torch-aware helper switched off (GPU_OFFLOAD_TORCH_EXT=0)."""
+    env = {"PYTHONPATH": f"{_ROOT}:{_ROOT / 'tests'}", "PATH": "/usr/bin:/bin"}
+    if not helper:
+        env["GPU_OFFLOAD_TORCH_EXT"] = "0"
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, cwd=_ROOT, env={"PYTHONPATH": f"{_ROOT}:{_ROOT / 'tests'}",
-                                                           "PATH": "/usr/bin:/bin"})
+                          timeout=timeout, cwd=_ROOT, env=env)
 
 
 # -- verified offload --------------------------------------------------------------------------------------
@@ -268,8 +271,9 @@ def test_include_grads_survives_a_file(device, arena, tmp_path):
 
 
 # -- races (CPU path) ------------------------------------------------------------------------------------
-def test_snapshot_while_another_thread_offloads_does_not_crash():
-    result = _run("""
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "python"])
+def test_snapshot_while_another_thread_offloads_does_not_crash(helper):
+    result = _run(helper=helper, code="""
         import threading, torch, gpu_offload as go
         state = {f"w{i}": torch.randn(1 << 20) for i in range(8)}
         stop = threading.Event()
@@ -347,8 +351,9 @@ def test_swap_beside_offload_and_reload_in_another_thread(arena):
 
 
 # -- interrupts ------------------------------------------------------------------------------------------
-def test_interrupts_at_random_points_leak_no_arena_region():
-    result = _run("""
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "python"])
+def test_interrupts_at_random_points_leak_no_arena_region(helper):
+    result = _run(helper=helper, code="""
         import gc, random, signal, torch, gpu_offload as go
         class Alarm(Exception):
             pass

@@ -24,6 +24,7 @@ import torch
 import gpu_offload as go
 from gpu_offload import registry as _registry
 from gpu_offload import torch_ext
+from conftest import inject_resize_failure
 
 _ROOT = Path(__file__).resolve().parent.parent
 needs_guard = pytest.mark.skipif(not torch_ext.access_guard_available(),
@@ -171,11 +172,10 @@ def test_reload_lifts_the_refusal_in_one_call_and_a_failed_reload_keeps_it(arena
     allow = torch_ext.allow_access
     monkeypatch.setattr(torch_ext, "allow_access", lambda items: (calls.append(len(items)), allow(items))[1])
     # A reload that fails after the refusal is lifted (the device is out of memory) refuses again.
-    real_resize = torch.UntypedStorage.resize_
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", lambda self, n: (_ for _ in ()).throw(MemoryError("oom")))
-    with pytest.raises(go.OffloadError, match="still offloaded"):
-        go.reload(state)
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", real_resize)
+    with monkeypatch.context() as m:  # (one storage per resize_, or many in the helper's one call)
+        inject_resize_failure(m, 1, MemoryError)
+        with pytest.raises(go.OffloadError, match="still offloaded"):
+            go.reload(state)
     assert go.is_offloaded(state) and all(torch_ext.access_refused(t) for t in state.values())
     with pytest.raises(RuntimeError, match=r"gpu_offload: w is offloaded"):
         state["w"].sum()

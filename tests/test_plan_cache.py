@@ -8,6 +8,9 @@ import torch
 import gpu_offload as go
 from gpu_offload import plan
 
+# Every test runs with the torch-aware helper and with the pure-Python path (conftest.checks).
+pytestmark = pytest.mark.usefixtures("checks")
+
 
 def _hits() -> int:
     return plan.cache_info()["hits"]

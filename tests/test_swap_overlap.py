@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from conftest import assert_bitwise_equal, inject_failure
+from conftest import assert_bitwise_equal, inject_resize_failure
 from cuda_gates import engine_stream, hold, recorded, settle
 
 
@@ -120,8 +120,7 @@ def test_swap_without_room_for_both_falls_back_to_one_after_the_other(arena, mon
     ref_values = _values(ref)
     go.offload(ref, arena=arena)
     # The first allocation fails: the device is full while both would be resident.
-    calls = inject_failure(monkeypatch, torch.UntypedStorage, "resize_", 1, torch.OutOfMemoryError,
-                           when=lambda self, size: size > 0)
+    calls = inject_resize_failure(monkeypatch, 1, torch.OutOfMemoryError, when=lambda size: size > 0)
     go.swap(policy, ref, arena=arena)
     assert calls["n"] > 1  # the fallback allocated again after offloading the policy
     assert go.is_offloaded(policy) and not go.is_offloaded(ref)

@@ -153,6 +153,7 @@ PYBIND11_MODULE(_torch_ext, m) {
         }
       },
       py::arg("storage"), "Whether a storage refuses data-pointer access.");
+
   // An overload of refuse_access, tried after the one above: a message of its own for each storage (the
   // offloaded tensor it names), still one call for all.
   m.def(
@@ -167,4 +168,52 @@ PYBIND11_MODULE(_torch_ext, m) {
         refuse_each(storages, messages);
       },
       py::arg("storages"), py::arg("messages"));
+
+  // -- per-call checks (target.cpp) ------------------------------------------------------------------
+  py::class_<TargetRecord>(m, "TargetRecord")
+      .def("check", &TargetRecord::check, py::arg("tensors"))
+      .def("refresh", &TargetRecord::refresh, py::arg("tensors"))
+      .def("keys", &TargetRecord::keys)
+      .def("storage_nbytes", &TargetRecord::storage_nbytes)
+      .def("storage_data_ptrs", &TargetRecord::storage_data_ptrs)
+      .def("first_tensor", &TargetRecord::first_tensor)
+      .def("resize_live", &TargetRecord::resize_live, py::arg("tensors"), py::arg("release"),
+           "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes.")
+      .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::return_value_policy::take_ownership,
+           "A StorageWatch over the recorded live storages of `tensors`.")
+      .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
+      .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
+      .def_property_readonly("all_cpu", &TargetRecord::all_cpu)
+      .def_property_readonly("num_tensors", &TargetRecord::num_tensors)
+      .def_property_readonly("num_storages", &TargetRecord::num_storages);
+  m.def(
+      "record",
+      [](py::handle tensors) -> py::object {
+        try {
+          return py::cast(new TargetRecord(tensors), py::return_value_policy::take_ownership);
+        } catch (const NotPlain&) {
+          return py::none();
+        }
+      },
+      py::arg("tensors"),
+      "A TargetRecord of a list of plain tensors (exact torch.Tensor/Parameter with strided storage), or None.");
+  m.def("resize_storages", &resize_storages, py::arg("storages"), py::arg("nbytes"),
+        "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "
+        "the first failure).");
+  py::class_<StorageWatch>(m, "StorageWatch")
+      .def(py::init<py::handle>(), py::arg("storages"), "Watches tensors' or UntypedStorages' storages.")
+      .def("dead", &StorageWatch::dead)
+      .def("forget", &StorageWatch::forget, py::arg("positions"))
+      .def("forget_all", &StorageWatch::forget_all)
+      .def_property_readonly("num_watched", &StorageWatch::num_watched)
+      .def("__len__", &StorageWatch::size);
+  m.def("plain_items", &plain_items, py::arg("mapping"));
+  m.def("any_grad", &any_grad, py::arg("tensors"), py::arg("count"));
+  m.def("bump_versions", &bump_versions, py::arg("tensors"),
+        "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
+  m.attr("MODULE_TREE") = module_tree_supported();
+  bind_module_tree(m);
+  m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
+        "(tree, names, tensors, num_params) of a plain module's named_parameters + named_buffers "
+        "(remove_duplicate=False), or None where the traversal is not a plain one.");
 }

@@ -2,14 +2,119 @@
 #pragma once
 
 #include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <c10/core/Device.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <c10/util/typeid.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace c10 {
 struct StorageImpl;
-}
+struct TensorImpl;
+}  // namespace c10
 
 namespace gpu_offload::torch_ext {
 
+namespace py = pybind11;
+
 // The StorageImpl behind a tensor, an UntypedStorage or a storage's _cdata (see torch_ext.cpp).
 c10::StorageImpl* storage_of(PyObject* item);
+
+// Not something the helper records (a subclass, a tensor without plain strided storage): the caller's
+// pure-Python path handles it.
+struct NotPlain : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class StorageWatch;
+
+// What a cached plan remembers about a target's tensors and storages (target.cpp).
+class TargetRecord {
+ public:
+  explicit TargetRecord(py::handle list);  // throws NotPlain
+  // Whether `list` holds the same tensor objects, each on the same storage, viewing it the same way, and
+  // each storage still has the same memory, size and device.
+  bool check(py::handle list) const;
+  // Re-reads every storage's memory, size, device and resizability (after the caller resized them);
+  // false (nothing read) when `list` is not the recorded tensors on the recorded storages.
+  bool refresh(py::handle list);
+  py::list keys() const;  // StorageImpl addresses, as storage._cdata
+  py::list storage_nbytes() const;
+  py::list storage_data_ptrs() const;
+  py::list first_tensor() const;
+  // The live storages (those that held memory when recorded), in order, reached through `list` and
+  // checked to be the recorded ones (so held by the caller): resized to 0 (release) or back to their
+  // recorded sizes, or watched. ValueError, nothing changed, when a tensor moved to another storage since
+  // the last check (another thread).
+  void resize_live(py::handle list, bool release);
+  StorageWatch* watch_live(py::handle list) const;
+  py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
+  bool all_resizable() const;
+  bool all_cpu() const;
+  size_t num_tensors() const { return tensors_.size(); }
+  size_t num_storages() const { return storages_.size(); }
+
+ private:
+  struct TensorFacts {
+    PyObject* obj;  // compared, never followed
+    PyTypeObject* type;
+    c10::TensorImpl* impl;
+    int32_t storage;
+    bool first;  // the first tensor on its storage: the storage's facts are checked with it
+    int32_t dim;
+    int32_t dims_at;  // sizes then strides in dims_
+    int64_t offset;
+    caffe2::TypeMeta dtype;
+  };
+  struct StorageFacts {
+    c10::StorageImpl* impl;
+    void* data;
+    size_t nbytes;
+    c10::Device device;
+    bool resizable;
+    size_t recorded_nbytes;  // as recorded (refresh() leaves it)
+  };
+  std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
+  std::vector<TensorFacts> tensors_;
+  std::vector<int64_t> dims_;
+  std::vector<StorageFacts> storages_;
+  std::vector<int32_t> first_tensor_;  // one tensor index per storage
+  std::vector<int32_t> live_;  // the storages that held memory when recorded
+};
+
+// Weak references to storages: which of them died, without a Python object or callback per storage.
+class StorageWatch {
+ public:
+  explicit StorageWatch(py::handle storages);  // tensors or UntypedStorages
+  explicit StorageWatch(const std::vector<c10::StorageImpl*>& storages);  // alive, held by the caller
+  std::vector<int64_t> dead();  // positions that died since the last call (no longer watched)
+  void forget(const std::vector<int64_t>& positions);
+  void forget_all();
+  size_t num_watched() const { return num_watched_; }
+  size_t size() const { return refs_.size(); }
+
+ private:
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> refs_;
+  std::vector<uint8_t> watched_;
+  size_t num_watched_ = 0;
+};
+
+void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes);
+py::object plain_items(py::handle mapping);
+bool any_grad(py::handle list, Py_ssize_t count);
+void bump_versions(py::handle list);
+
+// A plain nn.Module tree's traversal (module_tree.cpp).
+class ModuleTree;
+bool module_tree_supported();
+py::object build_module_tree(py::handle root, py::handle module_type);  // (tree, names, tensors, num_params) | None
+bool check_module_tree(const ModuleTree& tree, py::handle root);
+void bind_module_tree(py::module_& m);
 
 }  // namespace gpu_offload::torch_ext

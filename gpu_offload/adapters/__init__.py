@@ -21,14 +21,19 @@ special case here.
 from __future__ import annotations
 
 import json
+import sys
+import weakref
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from .. import torch_ext as _torch_ext
 from .._errors import OffloadError
 from ..storages import PLAIN_TENSOR_TYPES
 from . import deepspeed, fsdp, megatron
 from .strategy import NamedTensors, Strategy
+
+_ext: Any = _torch_ext.ext  # the torch-aware helper, or None (pure-Python paths)
 
 
 class Named(Sequence[tuple[str, torch.Tensor]]):
@@ -67,6 +72,15 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
     the shards; reads pass False so that an explicit unshard() is not undone).
     Raises OffloadError for an object that is none of the supported kinds.
     """
+    if _ext is not None:
+        if type(target) is dict:  # a flat dict of plain tensors under str keys, read in one C++ pass
+            items = _ext.plain_items(target)
+            if items is not None:
+                return Named(*items)
+        elif isinstance(target, torch.nn.Module):
+            named = _recorded_module_tensors(target, include_grads)
+            if named is not None:
+                return named
     if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
         # A flat dict of plain tensors (a state dict): no per-item dispatch and no per-item tuple
         # (set(map(type, ...)) runs in C).
@@ -165,6 +179,36 @@ def module_tensors(module: torch.nn.Module, *, include_grads: bool, reshard: boo
     strategy = strategy_of(module) or PLAIN_MODULE
     state, grads = strategy.named(module, include_grads=include_grads, reshard=reshard)
     return state + grads
+
+
+# A plain module's traversal, recorded by the torch-aware helper (names kept; tensors read again each call
+# from the module's unchanged dicts, so nothing here keeps a replaced parameter alive).
+_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int]]" = weakref.WeakKeyDictionary()
+
+
+def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Optional[Named]:
+    """The (name, tensor) pairs of a plain module (no strategy wrapper) without walking it in Python: its
+    recorded traversal, if nothing it depends on changed (the modules' classes and their _parameters,
+    _buffers and _modules dicts, see csrc/torch_ext/module_tree.cpp), else walked and recorded again in
+    C++. None where that does not apply (the caller walks it in Python): no helper or Python without
+    dict version tags, DeepSpeed imported (ZeRO-3 marks parameters in place), a strategy wrapper,
+    anything but a plain traversal, or grads asked for while some parameter has one."""
+    if not _ext.MODULE_TREE or "deepspeed" in sys.modules:
+        return None
+    entry = _trees.get(module)
+    tensors = entry[0].tensors(module) if entry is not None else None
+    if entry is None or tensors is None:
+        # The strategy depends only on the modules' classes, which the record covers.
+        if strategy_of(module) is not PLAIN_MODULE:
+            return None
+        built = _ext.build_module_tree(module, torch.nn.Module)
+        if built is None:
+            return None
+        tree, names, tensors, num_params = built
+        entry = _trees[module] = (tree, names, num_params)
+    if include_grads and _ext.any_grad(tensors, entry[2]):
+        return None
+    return Named(entry[1], tensors)
 
 
 def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:

@@ -63,6 +63,9 @@ def arena() -> go.Arena:
 def twin(monkeypatch: pytest.MonkeyPatch, user_streams: dict[int, int]) -> Iterator[Twins]:
     twins = Twins()
     monkeypatch.setattr(plan, "build_copies", twins.build)
+    # A cached plan builds its copies from its own columns, not through build_copies: the same twins.
+    monkeypatch.setattr(plan.TargetPlan, "_build", lambda self, host_offsets: twins.build(
+        [(s.device, p, o, s.nbytes) for s, p, o in zip(self.layout.storages, self.storage_ptrs, host_offsets)]))
     monkeypatch.setattr(_overlap, "_pending", [])
     plan.clear_cache()
     _C.engine_streams(0)

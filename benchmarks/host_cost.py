@@ -1,0 +1,152 @@
+"""Host cost of the engine's calls on targets of many tiny tensors (the copies themselves cost nothing), in
+ms and in Y, Y being one Python pass `[t.data_ptr() for t in ts]` over the same tensors in the same run.
+
+    .venv/bin/python benchmarks/host_cost.py [--tensors 65536] [--repeats 15] [--json out.json]
+
+Measures (each the median of --repeats calls, with the slowest/fastest spread):
+  dict / module (a tree of nn.Linear(2, 2, bias=False), 256 per block, the shape of an MoE's experts):
+    cached snapshot+wait+free, restore, offload+reload, and the first (uncached) snapshot;
+  llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
+  and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
+  by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids).
+Nothing is asserted; this prints a table (and writes JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+import gpu_offload as go
+from gpu_offload import adapters, bench, plan
+
+try:
+    from gpu_offload import torch_ext
+except ImportError:  # a version without the torch-aware helper (for before/after runs)
+    torch_ext = None  # type: ignore[assignment]
+
+
+def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2) -> list[float]:
+    out = []
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+def _stat(samples: list[float]) -> dict[str, float]:
+    return {"median_ms": statistics.median(samples) * 1e3, "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3}
+
+
+def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
+    blocks = []
+    left = num_tensors
+    while left > 0:
+        n = min(per_block, left)
+        blocks.append(torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=False) for _ in range(n)))
+        left -= n
+    return torch.nn.ModuleList(blocks)
+
+
+def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats: int, arena: go.Arena) -> dict[str, Any]:
+    y = _times(lambda: [t.data_ptr() for t in tensors], repeats)
+    out: dict[str, Any] = {"kind": kind, "num_tensors": len(tensors), "Y": _stat(y)}
+
+    def first() -> None:
+        plan.clear_cache()
+        trees = getattr(adapters, "_trees", None)  # a module's recorded traversal too (absent in older versions)
+        if trees is not None:
+            trees.clear()
+        go.snapshot(target, arena=arena).wait().free()
+
+    out["first snapshot (uncached)"] = _stat(_times(first, max(3, repeats // 3), warmup=1))
+    out["snapshot+wait+free"] = _stat(_times(lambda: go.snapshot(target, arena=arena).wait().free(), repeats))
+    snap = go.snapshot(target, arena=arena).wait()
+    out["restore"] = _stat(_times(lambda: go.restore(target, snap), repeats))
+    snap.free()
+
+    def cycle() -> None:
+        go.offload(target, arena=arena, empty_cache=False)
+        go.reload(target)
+
+    out["offload+reload"] = _stat(_times(cycle, repeats))
+    if torch_ext is not None and torch_ext.ext is not None:
+        record = torch_ext.ext.record(tensors)
+
+        def allocator() -> None:
+            record.resize_live(tensors, True)
+            record.resize_live(tensors, False)
+
+        out["allocator (in offload+reload)"] = _stat(_times(allocator, repeats))
+    ymed = out["Y"]["median_ms"]
+    for k, v in list(out.items()):
+        if isinstance(v, dict) and k != "Y":
+            v["Y"] = v["median_ms"] / ymed
+            v["spread"] = v["max_ms"] / v["min_ms"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tensors", type=int, default=65536)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", type=str, default=None)
+    p.add_argument("--only", choices=["dict", "module", "llm"], action="append")
+    args = p.parse_args()
+    arena = go.Arena()
+    only = set(args.only or ["dict", "module", "llm"])
+    results: dict[str, Any] = {"load_average_start": os.getloadavg(), "torch": torch.__version__,
+                               "torch_ext": _ext_state()}
+    if "dict" in only:
+        d = {f"t{i}": torch.empty(4) for i in range(args.tensors)}
+        results["dict"] = measure_target("dict", d, list(d.values()), args.repeats, arena)
+        del d
+    if "module" in only:
+        m = make_module(args.tensors)
+        results["module"] = measure_target("module", m, list(m.parameters()), args.repeats, arena)
+        del m
+    if "llm" in only:
+        layout = bench.load_layout("qwen1.5b", dtype="float32")
+        t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4]) for i, shape in enumerate(layout.shapes)}
+        results["llm339"] = measure_target("dict", t, list(t.values()), max(args.repeats, 51), arena)
+    results["load_average_end"] = os.getloadavg()
+    for key in ("dict", "module", "llm339"):
+        r = results.get(key)
+        if r is None:
+            continue
+        print(f"{key}: {r['num_tensors']} tensors, Y = {r['Y']['median_ms']:.2f} ms "
+              f"({r['Y']['min_ms']:.2f}-{r['Y']['max_ms']:.2f})")
+        for name, v in r.items():
+            if isinstance(v, dict) and name != "Y":
+                print(f"  {name:28s} {v['median_ms']:9.3f} ms  {v['Y']:7.2f} Y   "
+                      f"min-max {v['min_ms']:.3f}-{v['max_ms']:.3f}")
+    print(f"load average {results['load_average_start'][0]:.1f} -> {results['load_average_end'][0]:.1f}; "
+          f"torch_ext: {results['torch_ext']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _ext_state() -> str:
+    try:
+        from gpu_offload import torch_ext
+    except ImportError:
+        return "absent"
+    return torch_ext.status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+// A plain nn.Module's traversal (named_parameters, then named_buffers, remove_duplicate=False), recorded so
+// that the next call can tell in one pass whether it is still the same, without walking it in Python.
+//
+// The traversal depends on the modules' classes (their named_modules, named_parameters, ...) and on three
+// dicts per module: _parameters, _buffers, _modules. CPython gives every dict a version tag, a global counter
+// value renewed by every change of its contents (PEP 509: set, delete, clear, update, pop, ...), and a class
+// one that is renewed when the class or a base changes. So a module is unchanged when its class is the same
+// with the same tag, its __dict__ is the same dict with the same tag (or, after an unrelated attribute
+// changed, e.g. `training`, still binds the same three dicts and sets none of the traversal's methods on the
+// instance), and those three dicts carry their recorded tags. Nothing a module can do to its parameters (setattr, register_*, del, writing into _parameters
+// directly, replacing the dict, swapping __class__) escapes that, and torch's registration hooks, which
+// miss `del` and direct dict writes, are not needed.
+//
+// Only where the tags mean this: CPython 3.11 and 3.12 with the GIL (3.13 keeps inline values beside a
+// materialized __dict__ and 3.14 retires the tag); elsewhere build_module_tree() says "unsupported" and the
+// caller walks the module in Python every call, as before.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torch_ext.hpp"
+
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#define GPU_OFFLOAD_MODULE_TREE 1
+#else
+#define GPU_OFFLOAD_MODULE_TREE 0
+#endif
+
+namespace py = pybind11;
+
+namespace gpu_offload::torch_ext {
+
+#if GPU_OFFLOAD_MODULE_TREE
+namespace {
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // ma_version_tag: deprecated in 3.12, still kept
+#endif
+inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+struct ModuleFacts {
+  PyObject* module;  // compared, and followed only once its parent's _modules was found unchanged
+  PyTypeObject* type;
+  unsigned int type_tag;
+  PyObject* dict;  // the module's __dict__
+  uint64_t dict_version;
+  PyObject* parts[3];  // _parameters, _buffers, _modules
+  uint64_t part_versions[3];
+};
+
+const char* const kPartNames[3] = {"_parameters", "_buffers", "_modules"};
+
+// The methods the traversal calls on each module through the instance (`module.named_modules(...)`): one
+// set on an instance shadows the class's, so a module whose __dict__ has one is not a plain one.
+const char* const kMethodNames[4] = {"named_modules", "named_parameters", "named_buffers", "_named_members"};
+
+struct Interned {
+  PyObject* parts[3];
+  PyObject* methods[4];
+  PyObject* dot;
+  Interned() {
+    for (int i = 0; i < 3; ++i) parts[i] = PyUnicode_InternFromString(kPartNames[i]);
+    for (int i = 0; i < 4; ++i) methods[i] = PyUnicode_InternFromString(kMethodNames[i]);
+    dot = PyUnicode_InternFromString(".");
+  }
+};
+
+const Interned& interned() {
+  static const Interned* names = new Interned();  // never freed: lives as long as the interpreter
+  return *names;
+}
+
+// Whether an instance __dict__ shadows one of the traversal's methods (false with an error cleared too).
+bool shadows_methods(PyObject* dict) {
+  for (PyObject* name : interned().methods) {
+    PyObject* found = PyDict_GetItemWithError(dict, name);  // borrowed
+    if (found != nullptr) return true;
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+class ModuleTree {
+ public:
+  std::vector<ModuleFacts> modules;
+  // The traversal's tensors as recorded (parameters, then buffers): borrowed, and read only once every
+  // module's dicts were found unchanged (then those dicts hold exactly these objects).
+  std::vector<PyObject*> tensors;
+  size_t num_tensors = 0;
+  size_t num_params = 0;
+};
+
+namespace {
+
+// The methods a plain traversal goes through, as nn.Module defines them.
+struct ModuleMethods {
+  PyObject* named_modules = nullptr;
+  PyObject* named_parameters = nullptr;
+  PyObject* named_buffers = nullptr;
+  PyObject* named_members = nullptr;
+  PyObject* getattribute = nullptr;
+};
+
+class Builder {
+ public:
+  Builder(PyTypeObject* module_type) : module_type_(module_type) {
+    base_.named_modules = lookup(module_type, "named_modules");
+    base_.named_parameters = lookup(module_type, "named_parameters");
+    base_.named_buffers = lookup(module_type, "named_buffers");
+    base_.named_members = lookup(module_type, "_named_members");
+    base_.getattribute = lookup(module_type, "__getattribute__");
+  }
+
+  // false: not a plain traversal (the caller walks the module in Python).
+  bool visit(PyObject* module, PyObject* prefix, int depth, bool root) {
+    if (depth > 256) return false;  // a cycle, or deeper than any model: Python decides
+    PyTypeObject* type = Py_TYPE(module);
+    if (!PyType_IsSubtype(type, module_type_) || !plain_class(type, root)) return false;
+    unsigned int tag = type->tp_version_tag;
+    if (tag == 0) return false;
+    PyObject** dict_ptr = _PyObject_GetDictPtr(module);
+    if (dict_ptr == nullptr || *dict_ptr == nullptr || !PyDict_CheckExact(*dict_ptr)) {
+      PyErr_Clear();
+      return false;
+    }
+    if (shadows_methods(*dict_ptr)) return false;
+    ModuleFacts facts{module, type, tag, *dict_ptr, version_of(*dict_ptr), {}, {}};
+    for (int p = 0; p < 3; ++p) {
+      PyObject* part = PyDict_GetItemWithError(*dict_ptr, interned().parts[p]);  // borrowed
+      if (part == nullptr || !PyDict_CheckExact(part)) {  // an OrderedDict's order is not the table's
+        PyErr_Clear();
+        return false;
+      }
+      facts.parts[p] = part;
+      facts.part_versions[p] = version_of(part);
+    }
+    tree_.modules.push_back(facts);
+    prefixes_.push_back(py::reinterpret_borrow<py::object>(prefix));
+    if (!members(facts.parts[0], prefix, param_names_, params_)) return false;
+    Py_ssize_t pos = 0;
+    PyObject *name, *child;
+    while (PyDict_Next(facts.parts[2], &pos, &name, &child)) {
+      if (child == Py_None) continue;
+      if (!PyUnicode_CheckExact(name)) return false;
+      py::object child_prefix = join(prefix, name);
+      if (!visit(child, child_prefix.ptr(), depth + 1, false)) return false;
+    }
+    return true;
+  }
+
+  bool buffers() {
+    // named_buffers: a second walk over the same modules in the same order.
+    for (size_t i = 0; i < tree_.modules.size(); ++i) {
+      if (!members(tree_.modules[i].parts[1], prefixes_[i].ptr(), buffer_names_, buffers_)) return false;
+    }
+    return true;
+  }
+
+  py::object result() {
+    const size_t num_params = params_.size();
+    py::list names(num_params + buffers_.size()), tensors(num_params + buffers_.size());
+    for (size_t i = 0; i < num_params; ++i) {
+      names[i] = param_names_[i];
+      tensors[i] = params_[i];
+    }
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      names[num_params + i] = buffer_names_[i];
+      tensors[num_params + i] = buffers_[i];
+    }
+    tree_.num_tensors = num_params + buffers_.size();
+    tree_.num_params = num_params;
+    tree_.tensors.reserve(tree_.num_tensors);
+    for (const py::object& t : params_) tree_.tensors.push_back(t.ptr());
+    for (const py::object& t : buffers_) tree_.tensors.push_back(t.ptr());
+    auto* tree = new ModuleTree(std::move(tree_));
+    return py::make_tuple(py::cast(tree, py::return_value_policy::take_ownership), names, tensors, num_params);
+  }
+
+ private:
+  static PyObject* lookup(PyTypeObject* type, const char* name) {
+    py::object key = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(name));
+    return _PyType_Lookup(type, key.ptr());  // borrowed; also gives the class a version tag
+  }
+
+  bool plain_class(PyTypeObject* type, bool root) {
+    auto it = plain_.find(type);
+    if (it != plain_.end() && (!root || it->second.second)) return it->second.first;
+    bool ok = lookup(type, "named_modules") == base_.named_modules &&
+              lookup(type, "__getattribute__") == base_.getattribute;
+    for (int p = 0; ok && p < 3; ++p) ok = lookup(type, kPartNames[p]) == nullptr;  // no descriptor shadows them
+    bool root_ok = ok && lookup(type, "named_parameters") == base_.named_parameters &&
+                   lookup(type, "named_buffers") == base_.named_buffers &&
+                   lookup(type, "_named_members") == base_.named_members;
+    plain_[type] = {ok, root_ok};
+    return root ? root_ok : ok;
+  }
+
+  py::object join(PyObject* prefix, PyObject* name) {
+    if (PyUnicode_GET_LENGTH(prefix) == 0) return py::reinterpret_borrow<py::object>(name);
+    PyObject* dotted = PyUnicode_Concat(prefix, interned().dot);
+    if (dotted == nullptr) throw py::error_already_set();
+    PyObject* full = PyUnicode_Concat(dotted, name);
+    Py_DECREF(dotted);
+    if (full == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(full);
+  }
+
+  bool members(PyObject* dict, PyObject* prefix, std::vector<py::object>& names, std::vector<py::object>& values) {
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(dict, &pos, &name, &value)) {
+      if (value == Py_None) continue;
+      if (!PyUnicode_CheckExact(name) || !THPVariable_Check(value)) return false;
+      names.push_back(join(prefix, name));
+      values.push_back(py::reinterpret_borrow<py::object>(value));
+    }
+    return true;
+  }
+
+  PyTypeObject* module_type_;
+  ModuleMethods base_;
+  std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
+  ModuleTree tree_;
+  std::vector<py::object> prefixes_;
+  std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
+};
+
+}  // namespace
+
+bool module_tree_supported() { return true; }
+
+py::object build_module_tree(py::handle root, py::handle module_type) {
+  if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
+  Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()));
+  py::object empty = py::reinterpret_steal<py::object>(PyUnicode_FromString(""));
+  if (!b.visit(root.ptr(), empty.ptr(), 0, true) || !b.buffers()) return py::none();
+  return b.result();
+}
+
+namespace {
+
+// Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
+// held by a _modules dict found unchanged before it (pre-order), so following it is safe.
+bool module_unchanged(ModuleFacts& m) {
+  PyTypeObject* type = Py_TYPE(m.module);
+  if (type != m.type || type->tp_version_tag != m.type_tag) return false;
+  PyObject** dict_ptr = _PyObject_GetDictPtr(m.module);
+  if (dict_ptr == nullptr || *dict_ptr == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* dict = *dict_ptr;
+  if (dict != m.dict || version_of(dict) != m.dict_version) {
+    if (!PyDict_CheckExact(dict) || shadows_methods(dict)) return false;
+    for (int p = 0; p < 3; ++p) {
+      PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);
+      if (part != m.parts[p]) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    m.dict = dict;  // the same three dicts are bound: the change was elsewhere (e.g. `training`)
+    m.dict_version = version_of(dict);
+  }
+  // (A dict found unchanged is alive: the unchanged __dict__ above holds it.)
+  for (int p = 0; p < 3; ++p) {
+    if (version_of(m.parts[p]) != m.part_versions[p]) return false;
+  }
+  return true;
+}
+
+// Memory-bound (a module, its class, its __dict__ and three dicts, scattered): ask for the next modules'
+// objects a few records ahead (a prefetch never faults, even on a pointer that went stale).
+inline void prefetch_module(const ModuleFacts& m) {
+  __builtin_prefetch(m.module);
+  __builtin_prefetch(m.dict);
+  __builtin_prefetch(m.parts[0]);
+  __builtin_prefetch(m.parts[1]);
+  __builtin_prefetch(m.parts[2]);
+}
+
+// Whether every recorded module is unchanged, in pre-order (each module's pointer is held by its parent's
+// _modules dict, found unchanged just before).
+bool walk(ModuleTree& tree, PyObject* root) {
+  if (tree.modules.empty() || tree.modules[0].module != root) return false;
+  const size_t n = tree.modules.size();
+  constexpr size_t kAhead = 4;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch_module(tree.modules[i + kAhead]);
+    if (!module_unchanged(tree.modules[i])) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool check_module_tree(const ModuleTree& tree, py::handle root) {
+  // A __dict__ that changed but binds the same parts is re-tagged: mutable state behind a const handle.
+  return walk(const_cast<ModuleTree&>(tree), root.ptr());
+}
+
+// The traversal's tensors, read again from the unchanged dicts (the tree keeps no tensor alive), or None
+// when `root` changed.
+py::object tree_tensors(const ModuleTree& tree, py::handle root) {
+  if (!walk(const_cast<ModuleTree&>(tree), root.ptr())) return py::none();
+  // Unchanged dicts hold the recorded objects: no need to iterate them again.
+  const size_t n = tree.tensors.size();
+  py::list out(n);
+  PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(tree.tensors[i + kAhead], 1);
+    PyObject* t = tree.tensors[i];
+    Py_INCREF(t);
+    items[i] = t;
+  }
+  return std::move(out);
+}
+
+void bind_module_tree(py::module_& m) {
+  py::class_<ModuleTree>(m, "ModuleTree")
+      .def("check", &check_module_tree, py::arg("root"),
+           "Whether `root` is the module this traversal was recorded from and nothing it depends on changed.")
+      .def("tensors", &tree_tensors, py::arg("root"),
+           "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed.")
+      .def_property_readonly("num_modules", [](const ModuleTree& t) { return t.modules.size(); });
+}
+
+#else  // no usable dict version tags: no recorded traversal
+
+class ModuleTree {};
+bool module_tree_supported() { return false; }
+py::object build_module_tree(py::handle, py::handle) { return py::none(); }
+bool check_module_tree(const ModuleTree&, py::handle) { return false; }
+void bind_module_tree(py::module_& m) {
+  py::class_<ModuleTree>(m, "ModuleTree")
+      .def("check", &check_module_tree, py::arg("root"))
+      .def("tensors", [](const ModuleTree&, py::handle) { return py::none(); }, py::arg("root"));
+}
+
+#endif
+
+}  // namespace gpu_offload::torch_ext

@@ -1,0 +1,384 @@
+// Per-call checks of a target's tensors in one C++ pass, and batched storage operations (resize, watch).
+//
+// A TargetRecord is what a cached plan remembers about the tensors it was built from: for each tensor its
+// Python object, its TensorImpl, its storage, offset, shape, strides and dtype; for each storage its
+// StorageImpl, data pointer, size, device and resizability. check() answers whether a list of tensors is
+// still exactly that, which is what the plan needs to be reused. No reference is held: recorded pointers are
+// only compared with live ones, never followed, except a storage's whose tensor was just found to still
+// use it (so it is alive).
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <ATen/native/Resize.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torch_ext.hpp"
+
+namespace py = pybind11;
+
+namespace gpu_offload::torch_ext {
+
+namespace {
+
+// Exact torch.Tensor / nn.Parameter (not a subclass whose storage may be something else, e.g. a DTensor).
+bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
+
+void* data_of(c10::StorageImpl* s) {
+  // The address only: no access check (a storage may refuse access) and no copy-on-write materialization.
+  return s->_mutable_data_ptr_no_checks().get();
+}
+
+// A Python list's items without a copy (the caller holds the list).
+struct Items {
+  PyObject** data;
+  Py_ssize_t size;
+};
+
+Items items_of(py::handle list) {
+  if (!PyList_CheckExact(list.ptr())) throw py::type_error("expected a list");
+  return {reinterpret_cast<PyListObject*>(list.ptr())->ob_item, PyList_GET_SIZE(list.ptr())};
+}
+
+}  // namespace
+
+TargetRecord::TargetRecord(py::handle list) {
+  Items items = items_of(list);
+  tensors_.reserve(static_cast<size_t>(items.size));
+  std::unordered_map<c10::StorageImpl*, int32_t> index_of;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    PyObject* obj = items.data[i];
+    if (!plain_tensor(obj)) throw NotPlain("item " + std::to_string(i) + " is not a plain tensor");
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (!impl->has_storage() || impl->layout() != c10::kStrided || impl->is_nested() ||
+        impl->has_symbolic_sizes_strides() || impl->is_conj() || impl->is_neg()) {
+      throw NotPlain("item " + std::to_string(i) + " has no plain strided storage (or a conjugate/negative bit)");
+    }
+    c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
+    auto [it, fresh] = index_of.emplace(s, static_cast<int32_t>(storages_.size()));
+    if (fresh) {
+      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), s->resizable(), s->nbytes()});
+      first_tensor_.push_back(static_cast<int32_t>(i));
+      if (s->nbytes() != 0) live_.push_back(it->second);
+    }
+    TensorFacts t{};
+    t.obj = obj;
+    t.type = Py_TYPE(obj);
+    t.impl = impl;
+    t.storage = it->second;
+    t.first = fresh;
+    t.offset = impl->storage_offset();
+    t.dtype = impl->dtype();
+    t.dim = static_cast<int32_t>(impl->dim());
+    t.dims_at = static_cast<int32_t>(dims_.size());
+    for (int64_t d : impl->sizes()) dims_.push_back(d);
+    for (int64_t d : impl->strides()) dims_.push_back(d);
+    tensors_.push_back(t);
+  }
+}
+
+bool TargetRecord::check(py::handle list) const {
+  if (!PyList_CheckExact(list.ptr())) return false;
+  Items items = items_of(list);
+  const Py_ssize_t n = items.size;
+  if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
+  const int64_t* dims = dims_.data();
+  // Memory-bound (three objects per tensor, scattered): the loop asks for each tensor's Python object, then
+  // its TensorImpl and its storage, a few tensors ahead. A prefetch never faults; only an object of the
+  // recorded type is read to find its TensorImpl.
+  constexpr Py_ssize_t kAhead = 6;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + 2 * kAhead < n) __builtin_prefetch(items.data[i + 2 * kAhead]);
+    if (i + kAhead < n) {
+      PyObject* ahead = items.data[i + kAhead];
+      const TensorFacts& next = tensors_[static_cast<size_t>(i + kAhead)];
+      if (Py_TYPE(ahead) == next.type) __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
+      if (next.first) __builtin_prefetch(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
+    }
+    const TensorFacts& t = tensors_[static_cast<size_t>(i)];
+    PyObject* obj = items.data[i];
+    // The same object of the same exact type (so it is a THPVariable), with the same TensorImpl (swap_tensors
+    // exchanges them) ...
+    if (obj != t.obj || Py_TYPE(obj) != t.type) return false;
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (impl != t.impl || !impl->has_storage() || impl->has_symbolic_sizes_strides()) return false;
+    // `.data = t.conj()` keeps the TensorImpl, storage and view but sets a conjugate (or negative) bit,
+    // which bind() refuses.
+    if (impl->is_conj() || impl->is_neg()) return false;
+    // ... on the same storage, viewing it the same way (`.data =`, set_(), t_(), resize_(), as_strided_()
+    // change these in place).
+    c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+    const StorageFacts& s = storages_[static_cast<size_t>(t.storage)];
+    if (storage != s.impl) return false;
+    if (impl->storage_offset() != t.offset || impl->dtype() != t.dtype || impl->dim() != t.dim) return false;
+    c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    const int64_t* rec = dims + t.dims_at;
+    for (int32_t d = 0; d < t.dim; ++d) {
+      if (sizes[d] != rec[d] || strides[d] != rec[t.dim + d]) return false;
+    }
+    // The storage, with its first tensor (so alive: this tensor is on it): same memory, same size (a
+    // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
+    if (t.first && (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
+                    storage->resizable() != s.resizable)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool TargetRecord::refresh(py::handle list) {
+  if (!PyList_CheckExact(list.ptr())) return false;
+  Items items = items_of(list);
+  if (items.size != static_cast<Py_ssize_t>(tensors_.size())) return false;
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    PyObject* obj = items.data[first_tensor_[j]];
+    const TensorFacts& t = tensors_[static_cast<size_t>(first_tensor_[j])];
+    if (obj != t.obj || Py_TYPE(obj) != t.type) return false;
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (impl != t.impl || !impl->has_storage()) return false;
+    if (impl->unsafe_storage().unsafeGetStorageImpl() != storages_[j].impl) return false;
+  }
+  for (StorageFacts& s : storages_) {
+    s.data = data_of(s.impl);
+    s.nbytes = s.impl->nbytes();
+    s.device = s.impl->device();
+    s.resizable = s.impl->resizable();
+  }
+  return true;
+}
+
+py::list TargetRecord::keys() const {
+  py::list out(storages_.size());
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    out[j] = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(storages_[j].impl));
+  }
+  return out;
+}
+
+py::list TargetRecord::storage_nbytes() const {
+  py::list out(storages_.size());
+  for (size_t j = 0; j < storages_.size(); ++j) out[j] = py::int_(storages_[j].nbytes);
+  return out;
+}
+
+py::list TargetRecord::storage_data_ptrs() const {
+  py::list out(storages_.size());
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    out[j] = py::int_(reinterpret_cast<uintptr_t>(storages_[j].data));
+  }
+  return out;
+}
+
+py::list TargetRecord::first_tensor() const {
+  py::list out(first_tensor_.size());
+  for (size_t j = 0; j < first_tensor_.size(); ++j) out[j] = py::int_(first_tensor_[j]);
+  return out;
+}
+
+bool TargetRecord::all_resizable() const {
+  for (const StorageFacts& s : storages_) {
+    if (!s.resizable) return false;
+  }
+  return true;
+}
+
+bool TargetRecord::all_cpu() const {
+  for (const StorageFacts& s : storages_) {
+    if (!s.device.is_cpu()) return false;
+  }
+  return true;
+}
+
+std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) const {
+  // Reached through the caller's tensors, not followed from the record: between the caller's check and
+  // this call another thread may have moved a tensor to another storage and freed the recorded one.
+  Items items = items_of(list);
+  if (items.size != static_cast<Py_ssize_t>(tensors_.size())) {
+    throw py::value_error("the target's tensors changed since it was checked");
+  }
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(live_.size());
+  for (int32_t j : live_) {
+    const int32_t i = first_tensor_[static_cast<size_t>(j)];
+    PyObject* obj = items.data[i];
+    const TensorFacts& t = tensors_[static_cast<size_t>(i)];
+    if (obj != t.obj || Py_TYPE(obj) != t.type) throw py::value_error("the target's tensors changed since it was checked");
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (impl != t.impl || !impl->has_storage() ||
+        impl->unsafe_storage().unsafeGetStorageImpl() != storages_[static_cast<size_t>(j)].impl) {
+      throw py::value_error("the target's tensors changed since it was checked");
+    }
+    out.push_back(storages_[static_cast<size_t>(j)].impl);
+  }
+  return out;
+}
+
+void TargetRecord::resize_live(py::handle list, bool release) {
+  const std::vector<c10::StorageImpl*> impls = live_storages(list);
+  for (c10::StorageImpl* s : impls) {
+    // CUDA storages go through torch's own resize_ in Python: its CUDA path lives in libtorch_cuda, which this
+    // helper does not link (one binary serves CPU and CUDA builds of a torch version).
+    if (!s->device().is_cpu()) throw py::value_error("resize_live: CPU storages only");
+  }
+  // What UntypedStorage.resize_ does for a CPU storage (torch/csrc/StorageMethods.cpp). Stops at the first
+  // failure (a RuntimeError) with the earlier storages resized: the caller undoes by size, as after a
+  // Python loop. The record follows each storage as it is resized (what refresh() would read), so it is
+  // exact even after a failure.
+  for (size_t k = 0; k < impls.size(); ++k) {
+    if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
+    StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    at::native::resize_bytes_cpu(impls[k], release ? 0 : facts.recorded_nbytes);
+    facts.data = data_of(impls[k]);
+    facts.nbytes = impls[k]->nbytes();
+  }
+}
+
+StorageWatch* TargetRecord::watch_live(py::handle list) const { return new StorageWatch(live_storages(list)); }
+
+py::list TargetRecord::live() const {
+  py::list out(live_.size());
+  for (size_t k = 0; k < live_.size(); ++k) {
+    const size_t j = static_cast<size_t>(live_[k]);
+    out[k] = py::make_tuple(first_tensor_[j], storages_[j].recorded_nbytes);
+  }
+  return out;
+}
+
+// -- batched storage operations ---------------------------------------------------------------------------
+namespace {
+
+// Tensors or UntypedStorages only (objects that hold their storage), never a bare _cdata.
+std::vector<c10::StorageImpl*> held_storages(py::handle storages) {
+  PyObject* seq = PySequence_Fast(storages.ptr(), "expected a sequence of tensors or storages");
+  if (seq == nullptr) throw py::error_already_set();
+  py::object hold = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** objs = PySequence_Fast_ITEMS(seq);
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyLong_Check(objs[i])) throw py::type_error("expected tensors or UntypedStorages, got an int");
+    out.push_back(storage_of(objs[i]));
+  }
+  return out;
+}
+
+}  // namespace
+
+void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes) {
+  std::vector<c10::StorageImpl*> impls = held_storages(storages);
+  if (impls.size() != nbytes.size()) throw py::value_error("resize_storages: one size per storage");
+  for (size_t i = 0; i < impls.size(); ++i) {
+    if (!impls[i]->device().is_cpu()) throw py::value_error("resize_storages: CPU storages only");
+    if (nbytes[i] < 0) throw py::value_error("resize_storages: negative size");
+  }
+  for (size_t i = 0; i < impls.size(); ++i) at::native::resize_bytes_cpu(impls[i], static_cast<size_t>(nbytes[i]));
+}
+
+StorageWatch::StorageWatch(py::handle storages) : StorageWatch(held_storages(storages)) {}
+
+StorageWatch::StorageWatch(const std::vector<c10::StorageImpl*>& impls) {
+  refs_.reserve(impls.size());
+  const size_t n = impls.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + 8 < n) __builtin_prefetch(impls[i + 8], 1);
+    // One weak reference taken directly (the caller holds the storage, so it is alive).
+    c10::raw::weak_intrusive_ptr::incref(impls[i]);
+    refs_.push_back(c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(impls[i]));
+  }
+  watched_.assign(refs_.size(), 1);
+  num_watched_ = refs_.size();
+}
+
+std::vector<int64_t> StorageWatch::dead() {
+  std::vector<int64_t> out;
+  if (num_watched_ == 0) return out;
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    if (watched_[i] && refs_[i].expired()) {
+      out.push_back(static_cast<int64_t>(i));
+      watched_[i] = 0;
+      refs_[i].reset();  // the StorageImpl's memory goes (a weak reference keeps it, not its data)
+      --num_watched_;
+    }
+  }
+  return out;
+}
+
+void StorageWatch::forget(const std::vector<int64_t>& positions) {
+  for (int64_t p : positions) {
+    if (p < 0 || static_cast<size_t>(p) >= refs_.size()) throw py::index_error("StorageWatch.forget");
+    if (watched_[static_cast<size_t>(p)]) {
+      watched_[static_cast<size_t>(p)] = 0;
+      refs_[static_cast<size_t>(p)].reset();
+      --num_watched_;
+    }
+  }
+}
+
+void StorageWatch::forget_all() {
+  for (size_t i = 0; i < refs_.size(); ++i) {
+    watched_[i] = 0;
+    refs_[i].reset();
+  }
+  num_watched_ = 0;
+}
+
+// -- a flat mapping's items --------------------------------------------------------------------------------
+py::object plain_items(py::handle mapping) {
+  // (keys, values) of a dict whose keys are all str and values all plain tensors, in iteration order; None
+  // otherwise (the caller's general path decides). An exact dict only: an OrderedDict's order is its own
+  // linked list, not the table PyDict_Next walks.
+  if (!PyDict_CheckExact(mapping.ptr())) return py::none();
+  PyObject* d = mapping.ptr();
+  const Py_ssize_t n = PyDict_GET_SIZE(d);
+  py::list keys(n), values(n);
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *k, *v;
+  while (PyDict_Next(d, &pos, &k, &v)) {
+    if (i >= n || !PyUnicode_CheckExact(k) || !plain_tensor(v)) return py::none();
+    Py_INCREF(k);
+    PyList_SET_ITEM(keys.ptr(), i, k);
+    Py_INCREF(v);
+    PyList_SET_ITEM(values.ptr(), i, v);
+    ++i;
+  }
+  if (i != n) return py::none();
+  return py::make_tuple(keys, values);
+}
+
+// torch.autograd.graph.increment_version(tensors) in one pass (torch's own converts the list to a vector of
+// Tensors first): every tensor's version counter bumped, inference tensors (which have none) skipped.
+void bump_versions(py::handle list) {
+  Items items = items_of(list);
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (!THPVariable_Check(items.data[i])) throw py::type_error("bump_versions: expected tensors");
+  }
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    const at::Tensor& t = THPVariable_Unpack(items.data[i]);
+    if (!t.defined() || t.is_inference()) continue;
+    t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+// Whether any of the first `count` tensors has a .grad (a module's parameters: their grads join the target
+// with include_grads=True).
+bool any_grad(py::handle list, Py_ssize_t count) {
+  Items items = items_of(list);
+  if (count > items.size) count = items.size;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (!THPVariable_Check(items.data[i])) return true;  // not for us to decide: the caller's general path
+    // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
+    if (THPVariable_Unpack(items.data[i]).unsafeGetTensorImpl()->grad().defined()) return true;
+  }
+  return false;
+}
+
+}  // namespace gpu_offload::torch_ext

@@ -1,0 +1,555 @@
+"""The shortcuts that keep per-call host work low, and that none of them can be fooled.
+
+A cached call skips work that a fresh one does: the target's plan is reused after one check of all its
+tensors (TargetRecord in C++, or the per-tensor Python check), a plain module's traversal is reused while
+its dicts are unchanged (ModuleTree), a flat dict is read in one C++ pass, an offloaded target reloads
+through the plan its offload left, a plan found clear of offloaded storages is not looked up again until
+the next offload, and offload/reload resize and watch storages in one C++ call. Each test changes what a
+shortcut depends on, in a way a user (or another library) can, and checks that the next call sees the
+target as it is now: the bytes copied are the new ones, or the call refuses. Every test runs with the
+torch-aware helper and with the pure-Python fallback (conftest.checks).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import gpu_offload as go
+from conftest import assert_bitwise_equal
+from gpu_offload import adapters, plan, torch_ext
+from gpu_offload.adapters import named_tensors, plain_module_tensors
+
+pytestmark = pytest.mark.usefixtures("checks")
+
+needs_ext = pytest.mark.skipif(not torch_ext.available(), reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+
+
+def _hits() -> int:
+    return plan.cache_info()["hits"]
+
+
+def _warm(target, arena) -> None:
+    """Two snapshots: the plan is cached, and the second call is served from it."""
+    go.snapshot(target, arena=arena).free()
+    hits = _hits()
+    go.snapshot(target, arena=arena).free()
+    assert _hits() == hits + 1
+
+
+def _snapshot_matches(target, arena) -> None:
+    """A snapshot of the target holds exactly its current tensors' bytes, under their current names."""
+    named = list(named_tensors(target))
+    snap = go.snapshot(target, arena=arena).wait()
+    try:
+        got = snap.tensors()
+        assert list(got) == [n for n, _ in named]
+        for name, t in named:
+            assert_bitwise_equal(got[name], t.detach())
+    finally:
+        snap.free()
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 2)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=False) for _ in range(3))
+        self.register_buffer("scale", torch.ones(2))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Block(), Block())
+
+
+# -- the module traversal ------------------------------------------------------------------------------------
+def _replace_param(m):
+    m[0].inner.weight = torch.nn.Parameter(torch.randn(2, 3))
+
+
+def _write_parameters_dict(m):
+    m[0].inner._parameters["weight"] = torch.nn.Parameter(torch.randn(2, 3))
+
+
+def _pop_parameter(m):
+    m[1].experts[2]._parameters.pop("weight")
+
+
+def _delete_parameter(m):
+    del m[1].inner.bias
+
+
+def _set_parameter_none(m):
+    m[1].inner.bias = None
+
+
+def _register_parameter(m):
+    m[0].experts[0].register_parameter("extra", torch.nn.Parameter(torch.randn(5)))
+
+
+def _write_buffers_dict(m):
+    m[1]._buffers["scale"] = torch.full((2,), 7.0)
+
+
+def _register_buffer(m):
+    m[1].experts[1].register_buffer("running", torch.randn(4))
+
+
+def _replace_child(m):
+    m[0].experts[1] = torch.nn.Linear(2, 2, bias=False)
+
+
+def _write_modules_dict(m):
+    m[1]._modules["inner"] = torch.nn.Linear(3, 2)
+
+
+def _append_child(m):
+    m[0].experts.append(torch.nn.Linear(2, 2, bias=False))
+
+
+def _swap_parameters_dict(m):
+    m[0].inner.__dict__["_parameters"] = {"weight": torch.nn.Parameter(torch.randn(2, 3))}
+
+
+def _swap_instance_dict(m):
+    child = m[0].inner
+    child.__dict__ = dict(child.__dict__, _parameters={"weight": torch.nn.Parameter(torch.randn(2, 3))})
+
+
+class RenamedLinear(torch.nn.Linear):
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):  # type: ignore[override]
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name.replace("weight", "kernel"), p
+
+
+def _swap_class(m):
+    m.__class__ = type("Wrapped", (torch.nn.Sequential,), {
+        "named_parameters": lambda self, prefix="", recurse=True, remove_duplicate=True: iter(
+            [(n + "_x", p) for n, p in torch.nn.Sequential.named_parameters(self, prefix, recurse, remove_duplicate)])})
+
+
+def _instance_method(m):
+    original = m.named_parameters
+    m.named_parameters = lambda *a, **kw: iter([(n + "_y", p) for n, p in original(*a, **kw)])
+
+
+def _patch_class_method(m):
+    # Undone by the test's monkeypatch: returns the patcher.
+    return lambda mp: mp.setattr(torch.nn.Sequential, "named_parameters", lambda self, *a, **kw: iter(
+        [(n + "_z", p) for n, p in torch.nn.Module.named_parameters(self, *a, **kw)]))
+
+
+def _tie_weights(m):
+    m[1].experts[0].weight = m[0].experts[0].weight
+
+
+def _train_mode(m):
+    m.eval()  # __dict__ changes (training), the traversal does not: still served from the record
+
+
+MODULE_CHANGES = [_replace_param, _write_parameters_dict, _pop_parameter, _delete_parameter, _set_parameter_none,
+                  _register_parameter, _write_buffers_dict, _register_buffer, _replace_child, _write_modules_dict,
+                  _append_child, _swap_parameters_dict, _swap_instance_dict, _swap_class, _instance_method,
+                  _patch_class_method, _tie_weights, _train_mode]
+
+
+@pytest.mark.parametrize("change", MODULE_CHANGES, ids=[c.__name__.lstrip("_") for c in MODULE_CHANGES])
+def test_a_module_traversal_is_never_served_stale(arena, monkeypatch, change):
+    m = _model()
+    _warm(m, arena)
+    patcher = change(m)
+    if patcher is not None:
+        patcher(monkeypatch)
+    # What torch's own traversal says now is what the engine reads, and what a snapshot holds.
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+    assert [(n, id(t)) for n, t in named_tensors(m)] == truth  # and again, once recorded anew
+
+
+def test_a_module_with_grads_reads_them_in_every_call(arena):
+    m = _model()
+    _warm(m, arena)
+    names = [n for n, _ in named_tensors(m, include_grads=True)]
+    assert not any(n.endswith(".grad") for n in names)
+    m[0].inner.weight.grad = torch.ones(2, 3)
+    named = named_tensors(m, include_grads=True)
+    assert [n for n, _ in named][-1] == "0.inner.weight.grad"
+    snap = go.snapshot(m, include_grads=True, arena=arena).wait()
+    assert torch.equal(snap.tensors()["0.inner.weight.grad"], torch.ones(2, 3))
+    snap.free()
+
+
+def test_an_unchanged_module_is_served_from_its_record(arena, checks):
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the recorded traversal needs the helper (and Python 3.11/3.12)")
+    if "deepspeed" in sys.modules:  # (another test imported it: ZeRO-3 marks parameters in place)
+        pytest.skip("DeepSpeed is imported in this process: modules are walked in Python")
+    m = _model()
+    first = named_tensors(m)
+    again = named_tensors(m)
+    assert again.names is first.names  # the recorded names, not a new walk
+    assert [id(t) for t in again.tensors] == [id(t) for t in first.tensors]
+
+
+def test_a_stale_traversal_would_be_caught_by_these_tests(arena, monkeypatch):
+    # The check above can fail: an engine that kept reading a traversal recorded before the change (replayed
+    # here) copies the replaced parameter, and _snapshot_matches says so.
+    m = _model()
+    stale = named_tensors(m)
+    _replace_param(m)
+    monkeypatch.setattr(go.api, "named_tensors", lambda *a, **kw: stale)
+    with pytest.raises(AssertionError):
+        _snapshot_matches(m, arena)
+
+
+# -- the per-call check of a cached plan ----------------------------------------------------------------------
+def _data_other_storage(t):
+    t.data = torch.randn_like(t)
+
+
+def _data_view_of_same_storage(t):
+    t.data = t.data.flatten()[1:]  # the same storage, from its second element
+
+
+def _transpose(t):
+    with torch.no_grad():
+        t.t_()
+
+
+def _dtype_view(t):
+    t.data = t.data.view(torch.float16)
+
+
+def _set_to_other_storage(t):
+    with torch.no_grad():
+        t.set_(torch.randn(t.shape))
+
+
+def _as_strided(t):
+    with torch.no_grad():
+        t.as_strided_((t.shape[1], t.shape[0]), (1, t.shape[1]))
+
+
+def _storage_grown(t):
+    t.untyped_storage().resize_(t.untyped_storage().nbytes() + 64)
+
+
+def _storage_reallocated(t):
+    # Released and allocated again, maybe at the same address; another size than before.
+    st = t.untyped_storage()
+    n = st.nbytes()
+    st.resize_(0)
+    st.resize_(n + 16)
+
+
+def _swap_tensors(t):
+    try:
+        torch.utils.swap_tensors(t, torch.nn.Parameter(torch.randn_like(t)))
+    except RuntimeError as exc:  # the pure-Python plan keeps a weak reference to every tensor
+        assert plan._ext is None and "weakref" in str(exc), exc
+        pytest.skip("swap_tensors refuses tensors a pure-Python plan watches")
+
+
+TENSOR_CHANGES = [_data_other_storage, _data_view_of_same_storage, _transpose, _dtype_view, _set_to_other_storage,
+                  _as_strided, _storage_grown, _storage_reallocated, _swap_tensors]
+
+
+@pytest.mark.parametrize("kind", ["dict", "module"])
+@pytest.mark.parametrize("change", TENSOR_CHANGES, ids=[c.__name__.lstrip("_") for c in TENSOR_CHANGES])
+def test_a_changed_tensor_is_never_served_from_the_cache(arena, kind, change):
+    # The changed tensor is not the target's first (whose storage the plan's weak reference watches).
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(4, 6))
+    target = m if kind == "module" else {"other": torch.randn(5), "weight": m[1].weight, "bias": m[1].bias}
+    _warm(target, arena)
+    change(m[1].weight)
+    hits = _hits()
+    _snapshot_matches(target, arena)
+    assert _hits() == hits  # a fresh plan
+    _snapshot_matches(target, arena)  # which is then cached and right
+
+
+def test_a_storage_refilled_at_the_same_address_and_size_is_the_same_storage(arena):
+    # Not a change at all: the plan stays valid and copies the memory that is there now.
+    t = torch.randn(100)
+    target = {"t": t}
+    _warm(target, arena)
+    with torch.no_grad():
+        t.copy_(torch.arange(100.0))
+    _snapshot_matches(target, arena)
+
+
+# -- a flat dict read in one pass --------------------------------------------------------------------------
+class MyTensor(torch.Tensor):
+    pass
+
+
+class Key(str):
+    pass
+
+
+def _dicts():
+    a, b = torch.randn(3), torch.randn(4)
+    from collections import OrderedDict
+
+    od = OrderedDict([("b", b), ("a", a)])
+    od.move_to_end("b")  # its own order, not its table's
+    return [("plain", {"a": a, "b": b}), ("ordered", od), ("subclass value", {"a": a, "b": b.as_subclass(MyTensor)}),
+            ("str subclass key", {Key("a"): a, "b": b}), ("int key", {0: a, 1: b}),
+            ("parameter", {"a": torch.nn.Parameter(a)}), ("nested", {"a": a, "sub": {"b": b}})]
+
+
+@pytest.mark.parametrize("name,target", _dicts(), ids=[n for n, _ in _dicts()])
+def test_a_dict_is_read_as_the_python_path_reads_it(name, target, monkeypatch):
+    got = [(n, id(t)) for n, t in named_tensors(target)]
+    monkeypatch.setattr(adapters, "_ext", None)
+    assert got == [(n, id(t)) for n, t in named_tensors(target)]
+
+
+def test_a_dict_changed_between_calls_is_read_again(arena):
+    target = {"a": torch.randn(3), "b": torch.randn(4)}
+    _warm(target, arena)
+    target["b"] = torch.randn(4)
+    _snapshot_matches(target, arena)
+    target["c"] = torch.randn(2)
+    _snapshot_matches(target, arena)
+    del target["a"]
+    _snapshot_matches(target, arena)
+
+
+# -- offloaded state ----------------------------------------------------------------------------------------
+def test_an_offloaded_storage_is_seen_through_a_cached_plan_of_another_target(arena):
+    m = torch.nn.Linear(4, 4)
+    _warm(m, arena)  # the module's plan is cached and found clear of offloaded storages
+    go.offload({"w": m.weight}, arena=arena)
+    with pytest.raises(go.OffloadError, match="w is offloaded"):
+        go.snapshot(m, arena=arena)
+    go.reload({"w": m.weight})
+    _snapshot_matches(m, arena)
+
+
+def test_an_offloaded_target_refuses_through_its_own_plan(arena):
+    m = _model()
+    _warm(m, arena)
+    go.offload(m, arena=arena)
+    for call in (lambda: go.snapshot(m, arena=arena), lambda: go.offload(m, arena=arena)):
+        with pytest.raises(go.OffloadError, match="is offloaded"):
+            call()
+    assert go.is_offloaded(m)
+    go.reload(m)
+    assert not go.is_offloaded(m)
+
+
+def test_a_discarded_target_is_refused_with_the_reason(arena):
+    target = {"a": torch.randn(4), "b": torch.randn(3)}
+    _warm(target, arena)
+    go.offload(target, arena=arena)
+    go.discard(target)
+    assert not go.is_offloaded(target) and arena.used_bytes == 0
+    with pytest.raises(go.OffloadError, match="released outside gpu_offload"):
+        go.snapshot(target, arena=arena)
+    with pytest.raises(go.OffloadError, match="nothing in the target is offloaded"):
+        go.reload(target)
+
+
+@pytest.mark.parametrize("how", ["parameter replaced", "data swapped", "reloaded through another target"])
+def test_a_target_changed_while_offloaded_reloads_what_it_holds_now(arena, how):
+    m = _model()
+    expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+    go.offload(m, arena=arena)
+    if how == "parameter replaced":
+        m[0].inner.weight = torch.nn.Parameter(torch.full((2, 3), 5.0))
+        expected["0.inner.weight"] = torch.full((2, 3), 5.0)
+    elif how == "data swapped":
+        m[1].inner.bias.data = torch.full((2,), 6.0)
+        expected["1.inner.bias"] = torch.full((2,), 6.0)
+    else:
+        go.reload(dict(m.named_parameters()))  # the parameters come back; the buffers stay offloaded
+        assert not go.is_offloaded(m)
+    go.reload(m)
+    for name, t in named_tensors(m):
+        assert_bitwise_equal(t.detach(), expected[name])
+    assert not go.is_offloaded(m)
+    go.snapshot(m, arena=arena).free()
+    with pytest.raises(go.OffloadError, match="nothing in the target is offloaded"):
+        go.reload(m)
+    import gc
+
+    gc.collect()
+    go.offloaded_bytes()  # takes the registry lock: dead storages' records are dropped
+    assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
+
+
+def test_a_model_dropped_while_offloaded_returns_its_arena_memory(arena):
+    m = _model()
+    go.offload(m, arena=arena)
+    assert arena.used_bytes > 0
+    del m
+    import gc
+
+    gc.collect()
+    assert go.offloaded_bytes() == 0  # (the lock drops the records of storages that died)
+    assert arena.used_bytes == 0
+
+
+def test_offload_reload_cycles_stay_on_the_plan_and_bitwise_right(arena):
+    m = _model()
+    expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+    go.snapshot(m, arena=arena).free()
+    misses = plan.cache_info()["misses"]
+    for _ in range(3):
+        go.offload(m, arena=arena)
+        assert go.is_offloaded(m)
+        go.reload(m)
+    assert plan.cache_info()["misses"] == misses  # neither offload nor reload bound the target again
+    for name, t in named_tensors(m):
+        assert_bitwise_equal(t.detach(), expected[name])
+    assert arena.used_bytes == 0
+
+
+# -- the helper's batched operations ------------------------------------------------------------------------
+@needs_ext
+def test_a_record_refuses_to_resize_or_watch_tensors_that_moved():
+    a, b = torch.randn(8), torch.randn(3)
+    record = torch_ext.ext.record([a, b])
+    assert record.check([a, b])
+    a.data = torch.randn(8)  # (another thread, between the check and the resize)
+    before = [t.untyped_storage().nbytes() for t in (a, b)]
+    with pytest.raises(ValueError, match="changed"):
+        record.resize_live([a, b], True)
+    with pytest.raises(ValueError, match="changed"):
+        record.watch_live([a, b])
+    assert [t.untyped_storage().nbytes() for t in (a, b)] == before
+
+
+@needs_ext
+def test_the_batched_calls_accept_no_bare_storage_keys():
+    t = torch.randn(4)
+    with pytest.raises(TypeError):
+        torch_ext.ext.resize_storages([t.untyped_storage()._cdata], [0])
+    with pytest.raises(TypeError):
+        torch_ext.ext.StorageWatch([t.untyped_storage()._cdata])
+    assert t.untyped_storage().nbytes() == 16
+
+
+@needs_ext
+def test_a_record_follows_its_storages_through_resize_live():
+    ts = [torch.randn(5), torch.randn(2, 3), torch.empty(0)]
+    values = [t.clone() for t in ts]
+    record = torch_ext.ext.record(ts)
+    record.resize_live(ts, True)
+    assert [t.untyped_storage().nbytes() for t in ts] == [0, 0, 0]
+    assert record.check(ts)  # the record is the target as it is now
+    record.resize_live(ts, False)
+    assert [t.untyped_storage().nbytes() for t in ts] == [20, 24, 0]
+    assert record.check(ts)
+    for t, v in zip(ts[:2], values[:2]):
+        t.copy_(v)
+    watch = record.watch_live(ts)
+    assert len(watch) == 2 and watch.dead() == []
+    ts[0].data = torch.randn(5)  # its old storage dies
+    assert watch.dead() == [0] and watch.num_watched == 1
+
+
+# -- the cost of a changed target is in the debug log ----------------------------------------------------------
+def test_a_call_that_finds_a_changed_target_logs_its_cost(arena, caplog):
+    target = {"a": torch.randn(4), "b": torch.randn(3)}
+    _warm(target, arena)
+    with caplog.at_level(logging.DEBUG, logger="gpu_offload"):
+        go.snapshot(target, arena=arena).free()
+        assert not [r for r in caplog.records if r.getMessage().startswith("plan:")]
+        target["b"] = torch.randn(3)
+        go.snapshot(target, arena=arena).free()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan:")]
+    assert len(lines) == 1 and "changed target of 2 tensors" in lines[0] and " ms" in lines[0], lines
+
+
+# -- GPU_OFFLOAD_TORCH_EXT=0: the whole engine on its pure-Python paths, in a fresh process ---------------------
+def test_with_the_helper_switched_off_every_path_is_pure_python_and_still_sees_every_change(checks):
+    # The `checks` fixture switches the helper off inside this process; this runs a process where it was
+    # never loaded, as a user who sets the variable gets, through the same changes and a full cycle.
+    if checks != "python":
+        pytest.skip("runs its own process, once")
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import torch
+        import gpu_offload as go
+        from gpu_offload import adapters, plan, registry, torch_ext
+        from gpu_offload.adapters import named_tensors, plain_module_tensors
+
+        assert torch_ext.ext is None and "GPU_OFFLOAD_TORCH_EXT=0" in torch_ext.status(), torch_ext.status()
+        assert plan._ext is None and registry._ext is None and adapters._ext is None
+        arena = go.Arena()
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        d = {"a": torch.randn(5), "b": torch.randn(2, 3)}
+
+        def matches(target):
+            truth = (plain_module_tensors(target, include_grads=False) if isinstance(target, torch.nn.Module)
+                     else list(target.items()))
+            snap = go.snapshot(target, arena=arena).wait()
+            got = snap.tensors()
+            assert list(got) == [n for n, _ in truth], (list(got), truth)
+            for n, t in truth:
+                assert torch.equal(got[n], t.detach()), n
+            snap.free()
+
+        hits = plan.cache_info()["hits"]
+        for target in (m, d):
+            matches(target); matches(target)  # the second from the cached plan
+        assert plan.cache_info()["hits"] == hits + 2
+        m[0]._parameters["weight"] = torch.nn.Parameter(torch.randn(2, 3))  # straight into _parameters
+        matches(m)
+        m[1].weight.data = torch.randn(2, 2)  # .data to another storage
+        matches(m)
+        d["b"].t_()
+        matches(d)
+        expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+        for _ in range(2):
+            go.offload(m, arena=arena)
+            assert go.is_offloaded(m)
+            try:
+                go.snapshot(m, arena=arena)
+            except go.OffloadError:
+                pass
+            else:
+                raise AssertionError("a snapshot of an offloaded module was not refused")
+            go.reload(m)
+        for n, t in named_tensors(m):
+            assert torch.equal(t.detach(), expected[n]), n
+        snap = go.snapshot(d, arena=arena).wait()
+        values = {k: v.clone() for k, v in d.items()}
+        for v in d.values():
+            v.zero_()
+        go.restore(d, snap)
+        snap.free()
+        assert all(torch.equal(d[k], values[k]) for k in d)
+        assert arena.used_bytes == 0
+        print("ok")
+    """)
+    env = dict(os.environ, GPU_OFFLOAD_TORCH_EXT="0", PYTHONPATH=f"{root}:{root / 'tests'}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=root, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("where", ["root", "child"])
+def test_a_module_class_with_its_own_traversal_is_read_as_torch_reads_it(arena, where):
+    # A class that overrides named_parameters: as the root its override is the traversal (not recorded); as a
+    # child torch's traversal never calls it. Either way the engine reads what torch's own walk says.
+    torch.manual_seed(0)
+    m = RenamedLinear(3, 2) if where == "root" else torch.nn.Sequential(RenamedLinear(3, 2), torch.nn.Linear(2, 2))
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert any("kernel" in n for n, _ in truth) == (where == "root")
+    for _ in range(2):
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+        _snapshot_matches(m, arena)
