@@ -214,7 +214,6 @@ class Region:
         return buf
 
 
-
 class Lease:
     """One user of a region, owned from the moment it exists (`Region.acquire(lease)` counts the user and
     stores the region here in one step), released once: by `release()`, or when the lease is dropped (an

@@ -475,6 +475,7 @@ def measure_baselines(b: Bench) -> list[Row]:
 # The best a per-tensor loop does: the baselines the engine's small-tensor layouts are compared with.
 COPY_TO, COPY_FROM = "copy_ to preallocated", "copy_ from preallocated"
 
+
 def measure_host_cost(b: Bench) -> list[Row]:
     """The engine's own host work per call for this layout's number of tensors: as many one-element tensors
     (the copies then cost next to nothing), as a dict, cached after the first call. In ms and in Y, Y being
