@@ -428,6 +428,15 @@ def test_an_interrupt_inside_a_finalizer_loses_no_arena_memory():
     `__del__` of its own that such an interrupt could cut short."""
     arena = go.Arena(pin="none")
     state = {"w": torch.randn(4096), "b": torch.randn(16)}
+    gc.collect()
+    gc.freeze()
+    try:
+        _interrupt_every_finalizer_point(arena, state)
+    finally:
+        gc.unfreeze()
+
+
+def _interrupt_every_finalizer_point(arena: go.Arena, state: dict[str, torch.Tensor]) -> None:
     k = 1
     while True:
         snap = go.snapshot(state, arena=arena)
@@ -437,7 +446,7 @@ def test_an_interrupt_inside_a_finalizer_loses_no_arena_memory():
         def drop() -> None:
             nonlocal snap, lease, orphan
             snap = lease = orphan = None  # type: ignore[assignment]
-            gc.collect()
+            gc.collect()  # (what existed before the test is frozen: only the new objects are scanned)
 
         points = _interrupt_in_finalizers(k, drop)
         assert arena.used_bytes == 0, (k, points, arena.stats())
