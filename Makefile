@@ -49,11 +49,11 @@ test: test-cpp test-py
 bench: $(STAMP)
 	$(PY) -m gpu_offload bench
 
-# The same sources built with GPU_OFFLOAD_CUDA=0 (no nvcc involved): C++ tests, then the engine tests run
-# against that module from a scratch copy of the package.
+# The same sources built with GPU_OFFLOAD_CUDA=0 (no nvcc involved; _C only, the package copy keeps the tree's
+# torch-aware helper): C++ tests, then the engine tests run against that module from a scratch copy of the package.
 NOCUDA_DIR := build/nocuda
 nocuda-check: setup
-	GPU_OFFLOAD_CUDA=0 GPU_OFFLOAD_BUILD_DIR=$(NOCUDA_DIR)/cmake $(PY) setup.py -q build_ext --build-lib $(NOCUDA_DIR)/lib
+	GPU_OFFLOAD_CUDA=0 GPU_OFFLOAD_TORCH_EXT=0 GPU_OFFLOAD_BUILD_DIR=$(NOCUDA_DIR)/cmake $(PY) setup.py -q build_ext --build-lib $(NOCUDA_DIR)/lib
 	ctest --test-dir $(NOCUDA_DIR)/cmake --output-on-failure
 	rm -rf $(NOCUDA_DIR)/pkg && mkdir -p $(NOCUDA_DIR)/pkg && cp -r gpu_offload $(NOCUDA_DIR)/pkg/ \
 	  && rm -f $(NOCUDA_DIR)/pkg/gpu_offload/_C*.so && cp $(NOCUDA_DIR)/lib/gpu_offload/_C*.so $(NOCUDA_DIR)/pkg/gpu_offload/

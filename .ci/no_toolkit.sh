@@ -28,7 +28,8 @@ if [ -n "$(.venv/bin/python -c 'import shutil; print(shutil.which("nvcc") or "")
 fi
 echo "no nvcc, no CUDACXX, no /usr/local/cuda: building"
 rm -rf "$NT/cmake" "$NT/lib" "$NT/pkg" "$NT/kernel-cache"  # NVRTC must compile here, not read a cache
-GPU_OFFLOAD_CUDA=auto GPU_OFFLOAD_BUILD_DIR="$NT/cmake" .venv/bin/python setup.py -q build_ext --build-lib "$NT/lib"
+# (Only _C: the torch-aware helper has nothing of CUDA, and the package copy below keeps the tree's.)
+GPU_OFFLOAD_CUDA=auto GPU_OFFLOAD_TORCH_EXT=0 GPU_OFFLOAD_BUILD_DIR="$NT/cmake" .venv/bin/python setup.py -q build_ext --build-lib "$NT/lib"
 grep -q "GPU_OFFLOAD_NVCC:FILEPATH=$" "$NT/cmake/CMakeCache.txt"
 # The C++ tests on the simulated driver; sim_kernels_from_nvrtc compiles the kernels with NVRTC here.
 GPU_OFFLOAD_NVRTC="$SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" GPU_OFFLOAD_CACHE_DIR="$NT/kernel-cache" \
