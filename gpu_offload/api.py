@@ -472,9 +472,7 @@ def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.Offloade
     except BaseException as exc:
         _undo_reload_plan(resolved, offloaded, events)
         if allocating and isinstance(exc, (RuntimeError, MemoryError)):
-            raise OffloadError(f"reload failed while allocating {sum(offloaded.nbytes)} bytes on "
-                               f"{', '.join(str(d) for d in resolved.layout.devices)}: {exc}; the target is still "
-                               "offloaded with its data intact, free memory and call reload() again") from exc
+            raise _reload_out_of_memory(exc, sum(offloaded.nbytes), resolved.layout.devices) from exc
         raise
     # Commit: the set leaves the registry in one step, then the region loses its users (an interrupt
     # between the two leaves a region that is freed when the set is dropped).
@@ -538,11 +536,8 @@ def _reload_bound(named: Any, verify: bool) -> tuple[list[tuple[int, torch.Untyp
                 region._pending.extend(enqueued[-1][1])  # a region an interrupt leaves unreleased waits for them
     except BaseException as exc:
         _undo_reload(records, enqueued)
-        needed = sum(r.nbytes for _, _, r in records)
         if allocating and isinstance(exc, (RuntimeError, MemoryError)):
-            raise OffloadError(f"reload failed while allocating {needed} bytes on "
-                               f"{', '.join(str(d) for d in bound.layout.devices)}: {exc}; the target is still "
-                               "offloaded with its data intact, free memory and call reload() again") from exc
+            raise _reload_out_of_memory(exc, sum(r.nbytes for _, _, r in records), bound.layout.devices) from exc
         raise
     # Commit. Every entry leaves the registry in one step of C code (no interrupt falls in the middle),
     # then the regions lose their users; a region an interrupt leaves unreleased is freed when dropped.
@@ -640,6 +635,13 @@ def swap(out_target: Any, in_target: Any, *, empty_cache: bool = True, grads: st
     if empty_cache:
         _empty_cache(bind_in.layout.devices)
     logger.debug("swap: %.3f ms to enqueue", (time.perf_counter() - start) * 1e3)
+
+
+def _reload_out_of_memory(exc: BaseException, nbytes: int, devices: Sequence[Any]) -> OffloadError:
+    """The error of a reload whose allocation failed (both reload paths): what, where, and that nothing is lost."""
+    return OffloadError(f"reload failed while allocating {nbytes} bytes on {', '.join(str(d) for d in devices)}: "
+                        f"{exc}; the target is still offloaded with its data intact, free memory and call "
+                        "reload() again")
 
 
 def _undo_offload(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, region: Region,

@@ -253,28 +253,9 @@ py::list TargetRecord::live() const {
 }
 
 // -- batched storage operations ---------------------------------------------------------------------------
-namespace {
-
-// Tensors or UntypedStorages only (objects that hold their storage), never a bare _cdata.
-std::vector<c10::StorageImpl*> held_storages(py::handle storages) {
-  PyObject* seq = PySequence_Fast(storages.ptr(), "expected a sequence of tensors or storages");
-  if (seq == nullptr) throw py::error_already_set();
-  py::object hold = py::reinterpret_steal<py::object>(seq);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** objs = PySequence_Fast_ITEMS(seq);
-  std::vector<c10::StorageImpl*> out;
-  out.reserve(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (PyLong_Check(objs[i])) throw py::type_error("expected tensors or UntypedStorages, got an int");
-    out.push_back(storage_of(objs[i]));
-  }
-  return out;
-}
-
-}  // namespace
 
 void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes) {
-  std::vector<c10::StorageImpl*> impls = held_storages(storages);
+  std::vector<c10::StorageImpl*> impls = storages_of(storages.ptr(), /*keys_allowed=*/false);
   if (impls.size() != nbytes.size()) throw py::value_error("resize_storages: one size per storage");
   for (size_t i = 0; i < impls.size(); ++i) {
     if (!impls[i]->device().is_cpu()) throw py::value_error("resize_storages: CPU storages only");
@@ -283,7 +264,8 @@ void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes) {
   for (size_t i = 0; i < impls.size(); ++i) at::native::resize_bytes_cpu(impls[i], static_cast<size_t>(nbytes[i]));
 }
 
-StorageWatch::StorageWatch(py::handle storages) : StorageWatch(held_storages(storages)) {}
+StorageWatch::StorageWatch(py::handle storages)
+    : StorageWatch(storages_of(storages.ptr(), /*keys_allowed=*/false)) {}
 
 StorageWatch::StorageWatch(const std::vector<c10::StorageImpl*>& impls) {
   refs_.reserve(impls.size());

@@ -57,6 +57,21 @@ c10::StorageImpl* storage_of(PyObject* item) {
                        Py_TYPE(item)->tp_name);
 }
 
+std::vector<c10::StorageImpl*> storages_of(PyObject* items, bool keys_allowed) {
+  PyObject* seq = PySequence_Fast(items, "expected a sequence of tensors or storages");
+  if (seq == nullptr) throw py::error_already_set();
+  py::object hold = py::reinterpret_steal<py::object>(seq);
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** objs = PySequence_Fast_ITEMS(seq);
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!keys_allowed && PyLong_Check(objs[i])) throw py::type_error("expected tensors or UntypedStorages, got an int");
+    out.push_back(storage_of(objs[i]));
+  }
+  return out;
+}
+
 namespace {
 
 // StorageImpl::clear_data_ptr_access_error_msg_ came after release_data_and_set_meta_..._msg_ (which,
@@ -69,19 +84,6 @@ struct has_access_guard<S, std::void_t<decltype(std::declval<S&>().clear_data_pt
                                        decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
                                            std::optional<std::string>()))>> : std::true_type {};
 constexpr bool kAccessGuard = has_access_guard<c10::StorageImpl>::value;
-
-// All items are resolved before any storage changes: a bad item leaves every storage as it was.
-std::vector<c10::StorageImpl*> storages_of(const py::sequence& items) {
-  PyObject* seq = PySequence_Fast(items.ptr(), "expected a sequence");
-  if (seq == nullptr) throw py::error_already_set();
-  py::object hold = py::reinterpret_steal<py::object>(seq);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** objs = PySequence_Fast_ITEMS(seq);
-  std::vector<c10::StorageImpl*> out;
-  out.reserve(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) out.push_back(storage_of(objs[i]));
-  return out;
-}
 
 template <typename S>
 void refuse(const std::vector<S*>& storages, const std::string& message) {
@@ -128,7 +130,7 @@ PYBIND11_MODULE(_torch_ext, m) {
       "refuse_access",
       [](const py::sequence& items, const std::string& message) {
         require_access_guard();
-        refuse(storages_of(items), message);
+        refuse(storages_of(items.ptr(), true), message);
       },
       py::arg("storages"), py::arg("message"),
       "Makes every storage refuse any data-pointer access (reads, writes, data_ptr(), torch.save) with a "
@@ -137,7 +139,7 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def(
       "allow_access", [](const py::sequence& items) {
         require_access_guard();
-        allow(storages_of(items));
+        allow(storages_of(items.ptr(), true));
       },
       py::arg("storages"), "Lifts refuse_access() from every storage, in one call.");
   m.def(
@@ -160,7 +162,7 @@ PYBIND11_MODULE(_torch_ext, m) {
       "refuse_access",
       [](const py::sequence& items, const std::vector<std::string>& messages) {
         require_access_guard();
-        const auto storages = storages_of(items);
+        const auto storages = storages_of(items.ptr(), true);
         if (messages.size() != storages.size()) {
           throw py::value_error("refuse_access: " + std::to_string(messages.size()) + " messages for " +
                                 std::to_string(storages.size()) + " storages");

@@ -25,6 +25,9 @@ namespace py = pybind11;
 
 // The StorageImpl behind a tensor, an UntypedStorage or a storage's _cdata (see torch_ext.cpp).
 c10::StorageImpl* storage_of(PyObject* item);
+// Every item of a sequence through storage_of, all resolved before the caller changes any storage (a bad
+// item leaves every storage as it was). keys_allowed: a bare _cdata is accepted too (else a TypeError).
+std::vector<c10::StorageImpl*> storages_of(PyObject* items, bool keys_allowed);
 
 // Not something the helper records (a subclass, a tensor without plain strided storage): the caller's
 // pure-Python path handles it.
