@@ -10,6 +10,9 @@ STAMP      := $(VENV)/.gpu_offload-installed
 TEST_STAMP := $(VENV)/.gpu_offload-test-installed
 SOURCES    := $(shell find csrc gpu_offload -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh') CMakeLists.txt setup.py pyproject.toml
 PYTEST_ARGS ?=
+# The Python suite runs on every core (pytest-xdist; its multi-rank tests pick free ports). PYTEST_WORKERS=0 runs
+# it in this one process.
+PYTEST_WORKERS ?= auto
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup build test test-cpp test-py bench bench-micro clean nocuda-check
@@ -42,7 +45,7 @@ test-cpp: $(STAMP)
 	ctest --test-dir build/cmake --output-on-failure
 
 test-py: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 test: test-cpp test-py
 
