@@ -379,15 +379,16 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             # the allocator is told too (it would otherwise hand a block back to the stream that allocated
             # it, which need not be the current one), so no block is reused before it has been read.
             _plan.mark_in_use(_first_views(resolved), to_host=True)
-            # The plan follows the target as it is now (released), and the reload goes through it.
-            _plan.resize(resolved, release=True)
-            plan.offloaded = offloaded
-            # Touching offloaded state raises: the storages refuse access to their data (one C++ call, by
-            # key: the target's tensors hold them), the target's modules and optimizers raise OffloadError
-            # when used.
+            # Touching offloaded state raises: the storages refuse access to their data (in the release's
+            # own pass where the helper resizes, else one C++ call by key: the target's tensors hold them),
+            # the target's modules and optimizers raise OffloadError when used.
             if plan.refusals is None:
                 plan.refusals = _registry.refusals(names)
-            _registry.refuse(keys, names, plan.refusals)
+            # The plan follows the target as it is now (released), and the reload goes through it.
+            refused = _plan.resize(resolved, release=True, refusals=plan.refusals)
+            plan.offloaded = offloaded
+            if not refused:
+                _registry.refuse(keys, names, plan.refusals)
             _registry.guard(target, keys)
         except BaseException:
             _undo_offload(resolved, offloaded, region, events)  # exception safety: the target is left as it was
@@ -458,8 +459,11 @@ def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.Offloade
     events: list[Any] = []
     allocating = True
     try:
-        _registry.allow(offloaded.keys)  # one C++ call, by key: the target's tensors hold the storages
-        _plan.resize(resolved, release=False)
+        # The refusal is lifted in the resize's own pass where the helper resizes, else first in one C++
+        # call by key (the target's tensors hold the storages).
+        if not plan.resizes_in_one_pass:
+            _registry.allow(offloaded.keys)
+        _plan.resize(resolved, release=False, refusals=plan.refusals)
         allocating = False
         try:
             # One step (the assignment takes run's result directly): an interrupt cannot lose the events.

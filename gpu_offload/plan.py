@@ -341,6 +341,11 @@ class TargetPlan:
     def offloaded(self, value: Any) -> None:
         self._offloaded = weakref.ref(value) if value is not None else None
 
+    @property
+    def resizes_in_one_pass(self) -> bool:
+        """Whether resize() is one C++ pass (the helper recorded the target, every storage is a CPU one)."""
+        return self.record is not None and self.record.all_cpu
+
     def watch(self, resolved: "Resolved") -> Any:
         """A StorageWatch over the live storages (the helper's, from the record), or None."""
         if self.record is None:
@@ -646,25 +651,33 @@ def cached(named: Sequence[tuple[str, torch.Tensor]]) -> Optional[Resolved]:
     return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
 
 
-def resize(resolved: Resolved, release: bool) -> None:
+def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = None) -> bool:
     """`untyped_storage().resize_(n)` of a resolved target's live storages (those that hold memory in its
     layout), in order: to 0 (release) or back to their layout sizes; the plan then follows the target as
     it is (refresh()). One C++ call for all of them where the
     helper recorded the target and every storage is a CPU one, else one call each (torch's CUDA resize
     lives in libtorch_cuda, which the helper does not link). Stops at the first failure with the earlier
-    ones resized (callers undo by size)."""
+    ones resized (callers undo by size).
+
+    With `refusals` (one message per live storage) and the helper's pass, each storage also refuses access
+    once released, or has its refusal lifted before it grows, in the same pass; returns whether it did (if
+    not, the caller refuses or allows)."""
     plan = resolved.plan
-    if plan.record is not None and plan.record.all_cpu:
+    if plan.resizes_in_one_pass:
+        refuse = refusals is not None and torch_ext.access_guard_available()
+        if refuse and not plan.record.has_refusals:
+            plan.record.set_refusals(refusals)
         # Reaches the storages through the tensors, checks they are still the recorded ones, and keeps the
         # record up to date as it goes (so the plan needs no refresh()).
-        plan.record.resize_live(resolved.tensors, release)
+        plan.record.resize_live(resolved.tensors, release, refuse)
         plan.released, plan._storage_ptrs = release, None
         plan._forget_copies()
-        return
+        return refuse
     storages, specs = resolved.storages(), plan.layout.storages
     for i in plan.live:
         storages[i].resize_(0 if release else specs[i].nbytes)
     plan.refresh(resolved.tensors, released=release)
+    return False
 
 
 def increment_version(tensors: list[torch.Tensor]) -> None:

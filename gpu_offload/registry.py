@@ -404,8 +404,14 @@ def verify_reloaded(items: list[tuple[torch.UntypedStorage, Offloaded]]) -> None
 #     pointer, with a message naming its tensor (c10::StorageImpl's data-pointer access error, the mechanism
 #     FakeTensor uses). One C++ call refuses the storages of an offload, one lifts it at reload.
 #  2. The friendly first line, and the only one without the helper: hooks that raise OffloadError before
-#     torch touches anything, on every module of an offloaded module (forward and state_dict) and on its
-#     optimizers (step and state_dict). Installed by offload, removed by reload and discard.
+#     torch touches anything, on an offloaded module and its submodules (forward and state_dict) and on its
+#     optimizers (step and state_dict). Installed by offload, removed by reload and discard. Where the
+#     storages refuse access (line 1), only the target's top-level modules get hooks of their own, and every
+#     submodule is covered by one global forward pre-hook (torch.nn.modules.module's), installed while a
+#     module is offloaded: hooking and unhooking each of a 65536-expert model's modules cost more than the
+#     rest of its offload and reload together. A submodule's state_dict() or a direct call of its
+#     .forward() then meets line 1: the tensors it reaches refuse access, naming themselves. Without the
+#     helper every submodule is hooked, as that is the only line.
 def _refusal(name: str) -> str:
     return (f"gpu_offload: {name} is offloaded (its data is in host memory and its device memory is released); "
             "call gpu_offload.reload() on its model or optimizer before using it")
@@ -453,6 +459,58 @@ def _optimizer_keys(optimizer: torch.optim.Optimizer) -> Iterator[int]:
                 yield storage_key(v)
 
 
+def _own_keys(module: torch.nn.Module) -> Iterator[int]:
+    """The storage keys of a module's own parameters and buffers (not its submodules')."""
+    for t in [*module._parameters.values(), *module._buffers.values()]:
+        if t is not None:
+            yield storage_key(t)
+            partition = getattr(t, "ds_tensor", None)
+            if isinstance(partition, torch.Tensor):
+                yield storage_key(partition)
+
+
+def _global_forward_guard(module: torch.nn.Module, args: Any) -> None:
+    """The global forward pre-hook (line 2 where the storages refuse access): every module call in the process
+    passes here while a module is offloaded, so it looks at the module's own tensors only (a container's
+    children check for themselves when it calls them), unless the module has pre-hooks of its own: those run
+    next and may reach its submodules' tensors (FSDP2's unshard of a unit, ZeRO-3's gather), so all of them
+    are looked at then. Nothing at all inside a compiled graph (dynamo traces this to nothing; the compiled
+    code meets line 1)."""
+    if not _sets or torch.compiler.is_compiling():
+        return
+    keys = list(_keys_of(module) if module._forward_pre_hooks else _own_keys(module))
+    index = _index  # (a built index is never changed, only replaced: read without the lock, which would prune)
+    if index is not None and index.keys().isdisjoint(keys):
+        return
+    with lock:  # confirmed under the lock (after prune: a dead storage's address may be a new one's now)
+        if _sets and not _key_index().keys().isdisjoint(keys):
+            raise _offloaded_error(module, "run")
+
+
+_global_hook: Optional[Any] = None  # the RemovableHandle of _global_forward_guard while installed
+
+
+def _submodules_hooked() -> bool:
+    """Whether every submodule gets hooks of its own (no storage refusal to fall back on), or the global hook
+    covers them."""
+    return not torch_ext.access_guard_available()
+
+
+def _install_global_hook() -> None:
+    global _global_hook
+    if _global_hook is None:
+        _global_hook = torch.nn.modules.module.register_module_forward_pre_hook(_global_forward_guard)
+
+
+def _remove_global_hook() -> None:
+    """Removes the global hook once no guarded module is left (call with the lock held)."""
+    global _global_hook
+    handle = _global_hook
+    if handle is not None and not any(isinstance(top, torch.nn.Module) for top in list(_guards.keys())):
+        _global_hook = None
+        handle.remove()
+
+
 def _holds_offloaded(obj: Any) -> bool:
     with lock:
         if not _sets:
@@ -495,7 +553,7 @@ class _Guard:
     __slots__ = ("keys", "modules", "handles")
 
     def __init__(self) -> None:
-        self.keys: set[int] = set()
+        self.keys: list[list[int]] = []  # each offload's keys (its own list, not copied: one per offload)
         self.modules: list[weakref.ref] = []  # weakly: a submodule removed meanwhile is not kept alive
         self.handles: list[Any] = []  # an optimizer's hook handles
 
@@ -532,6 +590,9 @@ def _label(obj: Any) -> str:
     message, so that hooking costs no names)."""
     forward = obj.__dict__.get("forward") if isinstance(obj, torch.nn.Module) else None
     top = forward.top() if isinstance(forward, _OffloadedForward) else None
+    if top is None and isinstance(obj, torch.nn.Module):  # a submodule the global hook stopped: its target's
+        top = next((t for t in list(_guards.keys()) if isinstance(t, torch.nn.Module) and
+                    any(m is obj for m in torch.nn.Module.modules(t))), None)
     if top is None or top is obj:
         return type(obj).__name__
     name = next((n for n, m in torch.nn.Module.named_modules(top) if m is obj), "?")
@@ -625,19 +686,25 @@ def _release(top: Any) -> None:
         module = ref()
         if module is not None:
             _unhook_module(module)
+    if isinstance(top, torch.nn.Module):
+        _remove_global_hook()
 
 
 def guard(target: Any, keys: list[int]) -> None:
     """Hooks every module of the target's top-level modules (forward, state_dict) and its optimizers (step,
     state_dict), which offloaded the storages `keys`; call with the lock held."""
+    each = _submodules_hooked()
     for top in top_modules(target):
         record = _guards.setdefault(top, _Guard())
-        record.keys.update(keys)
+        record.keys.append(keys)
         ref = weakref.ref(top)
-        record.modules.extend(map(weakref.ref, [m for m in _submodules(top) if _hook_module(m, ref)]))
+        record.modules.extend(map(weakref.ref, [m for m in (_submodules(top) if each else [top])
+                                                if _hook_module(m, ref)]))
+        if not each:
+            _install_global_hook()
     for optimizer in top_optimizers(target):
         record = _guards.setdefault(optimizer, _Guard())
-        record.keys.update(keys)
+        record.keys.append(keys)
         if not record.handles:
             record.handles = [optimizer.register_step_pre_hook(_optimizer_step_guard),
                               optimizer.register_state_dict_pre_hook(_optimizer_state_dict_guard, prepend=True)]
@@ -649,5 +716,5 @@ def unguard(target: Any) -> None:
     with lock:
         for top in [*top_modules(target), *top_optimizers(target)]:
             record = _guards.get(top)
-            if record is not None and not offloaded_any(record.keys):
+            if record is not None and not offloaded_any(itertools.chain.from_iterable(record.keys)):
                 _release(top)

@@ -245,10 +245,16 @@ def inject_resize_failure(monkeypatch: pytest.MonkeyPatch, k: int, exc: type[Bas
     if torch_ext.ext is not None:
         patched_resize = torch.UntypedStorage.resize_  # counts and raises
 
-        def resize_live(record: Any, tensors: list[torch.Tensor], release: bool) -> None:
+        def resize_live(record: Any, tensors: list[torch.Tensor], release: bool, refuse: bool = False) -> None:
+            messages = record.refusals if refuse else None
             try:
-                for first, nbytes in record.live():
-                    patched_resize(tensors[first].untyped_storage(), 0 if release else nbytes)
+                for k, (first, nbytes) in enumerate(record.live()):
+                    storage = tensors[first].untyped_storage()
+                    if messages and not release:  # lifted before it grows, as the helper's pass does
+                        torch_ext.allow_access([storage])
+                    patched_resize(storage, 0 if release else nbytes)
+                    if messages and release:
+                        torch_ext.refuse_access([storage], messages[k])
             finally:
                 record.refresh(tensors)  # the record follows its storages, as resize_live's own loop does
 

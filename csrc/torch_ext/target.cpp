@@ -221,7 +221,16 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
   return out;
 }
 
-void TargetRecord::resize_live(py::handle list, bool release) {
+void TargetRecord::set_refusals(std::vector<std::string> messages) {
+  if (messages.size() != live_.size()) {
+    throw py::value_error("set_refusals: " + std::to_string(messages.size()) + " messages for " +
+                          std::to_string(live_.size()) + " live storages");
+  }
+  refusals_ = std::move(messages);
+}
+
+void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
+  if (refuse && refusals_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
   const std::vector<c10::StorageImpl*> impls = live_storages(list);
   for (c10::StorageImpl* s : impls) {
     // CUDA storages go through torch's own resize_ in Python: its CUDA path lives in libtorch_cuda, which this
@@ -235,9 +244,12 @@ void TargetRecord::resize_live(py::handle list, bool release) {
   for (size_t k = 0; k < impls.size(); ++k) {
     if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
+    if (refuse && !release) allow_access_of(impls[k]);
     at::native::resize_bytes_cpu(impls[k], release ? 0 : facts.recorded_nbytes);
     facts.data = data_of(impls[k]);
     facts.nbytes = impls[k]->nbytes();
+    if (refuse && release) refuse_access_of(impls[k], refusals_[k]);
   }
 }
 

@@ -108,6 +108,18 @@ void allow(const std::vector<S*>& storages) {
   }
 }
 
+}  // namespace
+
+void refuse_access_of(c10::StorageImpl* storage, const std::string& message) {
+  if constexpr (kAccessGuard) storage->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+}
+
+void allow_access_of(c10::StorageImpl* storage) {
+  if constexpr (kAccessGuard) storage->clear_data_ptr_access_error_msg_();
+}
+
+namespace {
+
 void require_access_guard() {
   if (!kAccessGuard) {
     throw std::runtime_error(
@@ -180,7 +192,14 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("storage_data_ptrs", &TargetRecord::storage_data_ptrs)
       .def("first_tensor", &TargetRecord::first_tensor)
       .def("resize_live", &TargetRecord::resize_live, py::arg("tensors"), py::arg("release"),
-           "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes.")
+           py::arg("refuse") = false,
+           "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes; with "
+           "`refuse`, each also refuses access after its release, or has the refusal lifted before it grows "
+           "(the messages of set_refusals), in the same pass.")
+      .def("set_refusals", &TargetRecord::set_refusals, py::arg("messages"),
+           "One refusal message per live storage, for resize_live(..., refuse=True).")
+      .def_property_readonly("has_refusals", &TargetRecord::has_refusals)
+      .def_property_readonly("refusals", &TargetRecord::refusals)
       .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::return_value_policy::take_ownership,
            "A StorageWatch over the recorded live storages of `tensors`.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")

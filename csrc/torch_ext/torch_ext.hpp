@@ -29,6 +29,11 @@ c10::StorageImpl* storage_of(PyObject* item);
 // item leaves every storage as it was). keys_allowed: a bare _cdata is accepted too (else a TypeError).
 std::vector<c10::StorageImpl*> storages_of(PyObject* items, bool keys_allowed);
 
+// One storage refusing data-pointer access with `message`, or lifted again (no-ops where this torch cannot
+// lift a refusal: see kAccessGuard in torch_ext.cpp, which the Python side checks first).
+void refuse_access_of(c10::StorageImpl* storage, const std::string& message);
+void allow_access_of(c10::StorageImpl* storage);
+
 // Not something the helper records (a subclass, a tensor without plain strided storage): the caller's
 // pure-Python path handles it.
 struct NotPlain : std::runtime_error {
@@ -55,7 +60,13 @@ class TargetRecord {
   // checked to be the recorded ones (so held by the caller): resized to 0 (release) or back to their
   // recorded sizes, or watched. ValueError, nothing changed, when a tensor moved to another storage since
   // the last check (another thread).
-  void resize_live(py::handle list, bool release);
+  // With `refuse`, each storage also refuses access (release: after it is resized) or has the refusal
+  // lifted (before it is resized back), in the same pass, with the messages of set_refusals().
+  void resize_live(py::handle list, bool release, bool refuse);
+  // One message per live storage, kept for resize_live(..., refuse=true).
+  void set_refusals(std::vector<std::string> messages);
+  bool has_refusals() const { return !refusals_.empty(); }
+  const std::vector<std::string>& refusals() const { return refusals_; }
   StorageWatch* watch_live(py::handle list) const;
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const;
@@ -89,6 +100,7 @@ class TargetRecord {
   std::vector<StorageFacts> storages_;
   std::vector<int32_t> first_tensor_;  // one tensor index per storage
   std::vector<int32_t> live_;  // the storages that held memory when recorded
+  std::vector<std::string> refusals_;  // one per live storage, or none
 };
 
 // Weak references to storages: which of them died, without a Python object or callback per storage.
