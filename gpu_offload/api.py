@@ -324,7 +324,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
     With `checksum=True` a checksum of every storage is taken from the source as it is copied out (the
     same sums as `snapshot(..., checksum=True)`), for `reload(..., verify=True)`.
 
-    Using an offloaded module (any of its submodules, their forward or state_dict) or optimizer (step,
+    Using an offloaded module (calling it or any of its submodules, its forward or state_dict) or optimizer (step,
     state_dict) raises OffloadError until it is reloaded; with the torch-aware helper any other access to
     an offloaded tensor's data raises a RuntimeError naming it. Dropping an offloaded target (the last
     reference to its tensors) returns its host memory to the arena.

@@ -476,7 +476,7 @@ def _global_forward_guard(module: torch.nn.Module, args: Any) -> None:
     next and may reach its submodules' tensors (FSDP2's unshard of a unit, ZeRO-3's gather), so all of them
     are looked at then. Nothing at all inside a compiled graph (dynamo traces this to nothing; the compiled
     code meets line 1)."""
-    if not _sets or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _sets:  # (in this order: dynamo would guard on _sets' length)
         return
     keys = list(_keys_of(module) if module._forward_pre_hooks else _own_keys(module))
     index = _index  # (a built index is never changed, only replaced: read without the lock, which would prune)

@@ -273,6 +273,26 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
     assert model(torch.ones(1, 4)).shape == (1, 2)
 
 
+@needs_guard
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+def test_a_module_compiled_while_another_is_offloaded_traces_the_global_hook_to_nothing(arena):
+    # The global hook runs for every module call in the process while a module is offloaded; inside a compiled
+    # graph it must vanish (no graph break: fullgraph=True raises on one), and it still stops the offloaded one.
+    offloaded = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    go.offload(offloaded, arena=arena)
+    try:
+        assert torch.nn.modules.module._global_forward_pre_hooks
+        compiled = torch.compile(other, backend="eager", fullgraph=True)
+        x = torch.randn(3, 4)
+        assert torch.equal(compiled(x), other(x))
+        with pytest.raises(go.OffloadError, match=r"cannot run Linear '0' of Sequential"):
+            offloaded[0](x)
+    finally:
+        go.reload(offloaded)
+        torch._dynamo.reset()
+
+
 def test_a_module_reloaded_through_its_tensors_loses_its_hooks_at_its_next_call(arena):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
