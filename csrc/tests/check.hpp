@@ -3,11 +3,31 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace check {
+// A fresh folder /tmp/<prefix>XXXXXX, removed with everything in it when this process exits (the tests'
+// forked children leave through _exit, which runs no atexit handler: only the process that made it removes it).
+inline std::string scratch_dir(const char* prefix) {
+  static std::vector<std::string> dirs;
+  static const bool registered = (std::atexit([] {
+                                    std::error_code ec;
+                                    for (const std::string& d : dirs) std::filesystem::remove_all(d, ec);
+                                  }),
+                                  true);
+  (void)registered;
+  std::string path = std::string("/tmp/") + prefix + "XXXXXX";
+  if (mkdtemp(path.data()) == nullptr) throw std::runtime_error("mkdtemp " + path + " failed");
+  dirs.push_back(path);
+  return path;
+}
+
 inline int& failures() {
   static int n = 0;
   return n;

@@ -117,8 +117,7 @@ TEST_CASE(errors_carry_file_line_and_expression) {
 }
 
 TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
-  char dir_template[] = "/tmp/go_cgroup_XXXXXX";
-  const std::string root = mkdtemp(dir_template);
+  const std::string root = check::scratch_dir("go_cgroup_");
   auto write = [&](const std::string& name, const std::string& text) { std::ofstream(root + "/" + name) << text; };
   CHECK(gpu_offload::cgroup_headroom(root) == 0);  // no files: no limit known
   write("memory.max", "max\n");
@@ -138,8 +137,7 @@ TEST_CASE(cgroup_headroom_reads_v2_and_v1_limits) {
 }
 
 TEST_CASE(cgroup_limit_and_headroom_are_the_smallest_over_the_process_cgroup_and_its_parents) {
-  char dir_template[] = "/tmp/go_cgroup_XXXXXX";
-  const std::string root = mkdtemp(dir_template);
+  const std::string root = check::scratch_dir("go_cgroup_");
   auto write = [&](const std::string& name, const std::string& text) { std::ofstream(root + "/" + name) << text; };
   const std::string v2 = "0::/job_7/step_0\n";
   CHECK(gpu_offload::cgroup_limit(root, v2) == 0);  // no files: no limit known

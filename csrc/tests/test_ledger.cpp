@@ -25,10 +25,7 @@ constexpr std::size_t kMiB = 1u << 20;
 
 namespace {
 
-std::string temp_dir() {
-  char dir_template[] = "/tmp/go_ledger_XXXXXX";
-  return mkdtemp(dir_template);
-}
+std::string temp_dir() { return check::scratch_dir("go_ledger_"); }
 
 // Runs fn in a child process; returns its pid. The child exits with fn's result (never returns here).
 template <typename Fn>
