@@ -204,7 +204,9 @@ def save(snap: Snapshot, path: PathLike) -> None:
             a regular file (a device, a FIFO, a directory), which is never replaced.
         OSError: the file cannot be written (permissions, disk full, no such directory); the previous file
             is then intact and the temporary removed.
+        TypeError: `snap` is not a Snapshot (a module or a state dict: snapshot it first).
     """
+    _require_snapshot(snap, "save")
     start = time.perf_counter()
     path = os.fspath(path)
     region = snap._use()  # a free() (and trim()) from another thread cannot take the memory while it is written
@@ -214,6 +216,13 @@ def save(snap: Snapshot, path: PathLike) -> None:
         region.release()
     logger.debug("saved %d storages, %d bytes to %s in %.3f s", len(snap.layout.storages), snap.layout.nbytes,
                  path, time.perf_counter() - start)
+
+
+def _require_snapshot(snap: Any, op: str) -> None:
+    """A TypeError that says what to pass, for a model, a state dict or anything else given as the snapshot."""
+    if not isinstance(snap, Snapshot):
+        raise TypeError(f"gpu_offload.{op}() takes a Snapshot, not {type(snap).__qualname__}: "
+                        f"gpu_offload.{op}(gpu_offload.snapshot(target), path)")
 
 
 def _write(snap: Snapshot, region: Any, path: str) -> None:
@@ -365,7 +374,9 @@ def save_state_dict(snap: Snapshot, path: PathLike, metadata: Optional[dict[str,
             shards are not a state dict), holds DTensor shards (use `dcp.save(snap.state_dict(), ...)`), a
             tensor's dtype has no safetensors code, or `path` is not a regular file.
         OSError: the file cannot be written; `path` is then as it was.
+        TypeError: `snap` is not a Snapshot (a module or a state dict: snapshot it first).
     """
+    _require_snapshot(snap, "save_state_dict")
     path = os.fspath(path)
     if snap._layout.shard_info is not None:
         raise OffloadError("save_state_dict: this snapshot is of a sharded module (FSDP/Megatron), whose tensors "

@@ -914,3 +914,14 @@ def test_save_state_dict_loads_into_a_fresh_hugging_face_model(tmp_path, arena):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for name, value in want.items():
         assert_bitwise_equal(loaded.state_dict()[name], value)
+
+
+@pytest.mark.parametrize("what", ["module", "state_dict", "none"])
+@pytest.mark.parametrize("op", ["save", "save_state_dict"])
+def test_saving_something_other_than_a_snapshot_says_what_to_pass(tmp_path, what, op):
+    model = torch.nn.Linear(2, 2)
+    given = {"module": model, "state_dict": model.state_dict(), "none": None}[what]
+    with pytest.raises(TypeError, match=rf"gpu_offload\.{op}\(\) takes a Snapshot, not \w+: "
+                                        rf"gpu_offload\.{op}\(gpu_offload\.snapshot\(target\), path\)"):
+        getattr(go, op)(given, tmp_path / "x.safetensors")
+    assert not list(tmp_path.iterdir())
