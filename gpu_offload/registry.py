@@ -619,6 +619,20 @@ def _module_state_dict_guard(module: torch.nn.Module, prefix: str, keep_vars: bo
         raise _offloaded_error(module, "take the state_dict of")
 
 
+class _LoadStateDictGuard:
+    """An offloaded module's load_state_dict pre-hook (torch calls it without the module: it holds it weakly)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        module = self.module()
+        if module is not None and _holds_offloaded(module):
+            raise _offloaded_error(module, "load a state_dict into")
+
+
 def _optimizer_step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if _holds_offloaded(optimizer):
         raise _offloaded_error(optimizer, "step")
@@ -655,10 +669,14 @@ def _hook_module(module: torch.nn.Module, top: "weakref.ref[torch.nn.Module]") -
     # OrderedDicts (typed as dicts in torch's stubs)
     forward = cast("collections.OrderedDict[int, Any]", module._forward_pre_hooks)
     state = cast("collections.OrderedDict[int, Any]", module._state_dict_pre_hooks)
+    load = cast("collections.OrderedDict[int, Any]", module._load_state_dict_pre_hooks)
     forward[_HOOK_ID] = _module_forward_guard
     forward.move_to_end(_HOOK_ID, last=False)
     state[_HOOK_ID] = _module_state_dict_guard
     state.move_to_end(_HOOK_ID, last=False)
+    # (load_state_dict would copy into the released storages: without the helper, through a null pointer)
+    load[_HOOK_ID] = _LoadStateDictGuard(module)
+    load.move_to_end(_HOOK_ID, last=False)
     attrs["forward"] = _OffloadedForward(module, top, own)
     return True
 
@@ -670,6 +688,7 @@ def _unhook_module(module: torch.nn.Module) -> None:
         return
     module._forward_pre_hooks.pop(_HOOK_ID, None)
     module._state_dict_pre_hooks.pop(_HOOK_ID, None)
+    module._load_state_dict_pre_hooks.pop(_HOOK_ID, None)
     if forward.own is None:
         del attrs["forward"]
     else:

@@ -96,6 +96,8 @@ case("step", lambda: opt.step())
 case("state_dict", lambda: m.state_dict())
 case("submodule state_dict", lambda: m[0].state_dict())
 case("optimizer state_dict", lambda: opt.state_dict())
+case("load_state_dict", lambda: m.load_state_dict(before))
+case("submodule load_state_dict", lambda: m[0].load_state_dict({k[2:]: v for k, v in before.items() if k.startswith("0.")}))
 """
 
 _PLAIN_DATA = """
@@ -114,7 +116,8 @@ _PLAIN_END = """
 go.reload([m, opt])
 same = all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 report(same=same, compiled_after=bool(torch.equal(compiled(x), want)), hooks=[len(mod._forward_pre_hooks) for mod in m.modules()],
-       own_forward=["forward" in vars(mod) for mod in m.modules()])
+       own_forward=["forward" in vars(mod) for mod in m.modules()],
+       load_hooks=[len(mod._load_state_dict_pre_hooks) for mod in m.modules()])
 """
 
 _FRIENDLY = {
@@ -126,6 +129,8 @@ _FRIENDLY = {
     "state_dict": r"^OffloadError: cannot take the state_dict of Sequential .*reload\(\)",
     "submodule state_dict": r"^OffloadError: cannot take the state_dict of Linear '0' of Sequential .*reload\(\)",
     "optimizer state_dict": r"^OffloadError: cannot take the state_dict of Adam .*reload\(\)",
+    "load_state_dict": r"^OffloadError: cannot load a state_dict into Sequential .*reload\(\)",
+    "submodule load_state_dict": r"^OffloadError: cannot load a state_dict into Linear '0' of Sequential .*reload\(\)",
 }
 
 
@@ -133,6 +138,7 @@ def _plain_checks(result: dict[str, Any]) -> None:
     assert result["same"], "the reloaded values differ from the offloaded ones"
     assert result["compiled_after"], "the compiled wrapper gives other values after the reload"
     assert result["hooks"] == [0] * len(result["hooks"]) and not any(result["own_forward"]), result  # all gone
+    assert not any(result["load_hooks"]), result
 
 
 @needs_guard
@@ -148,6 +154,8 @@ case("submodule state_dict used", lambda: m[0].state_dict()["weight"].sum())
         **_FRIENDLY,
         "direct forward": data.format(re.escape("0.1.weight")),
         "submodule state_dict": r"^no error$",
+        # (torch's load_state_dict reports the copy's error under its own first line)
+        "submodule load_state_dict": r"^RuntimeError: Error\(s\) in loading state_dict for Linear",
         "submodule state_dict used": data.format(re.escape("0.0.weight")),
         "norm": data.format(re.escape("0.0.weight")),
         "print": data.format(re.escape("0.2.bias")),
@@ -258,7 +266,8 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
     other = torch.nn.Linear(4, 4)  # not offloaded: runs under the global hook
     go.offload([model, opt], arena=arena)
     # Only the top module has hooks of its own where one global hook covers the submodules.
-    hooked = [len(m._forward_pre_hooks) == 1 and len(m._state_dict_pre_hooks) == 1 for m in model.modules()]
+    hooked = [len(m._forward_pre_hooks) == 1 and len(m._state_dict_pre_hooks) == 1 and
+              len(m._load_state_dict_pre_hooks) == 1 for m in model.modules()]
     assert hooked == ([True] + [False] * 4 if helper else [True] * 5)
     assert len(global_hooks) == len(before) + (1 if helper else 0)
     assert len(opt._optimizer_step_pre_hooks) == 1
@@ -267,7 +276,8 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
     assert other(torch.ones(1, 4)).shape == (1, 4)
     go.reload([model, opt])
     assert dict(global_hooks) == before
-    assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks for m in model.modules())
+    assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks and not m._load_state_dict_pre_hooks
+               for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_state_dict_pre_hooks
     assert model[1][0].forward is own and ["forward" in vars(m) for m in model.modules()] == [False, False, False, True, False]
     assert model(torch.ones(1, 4)).shape == (1, 2)
