@@ -343,8 +343,8 @@ class TargetPlan:
 
     @property
     def resizes_in_one_pass(self) -> bool:
-        """Whether resize() is one C++ pass (the helper recorded the target, every storage is a CPU one)."""
-        return self.record is not None and self.record.all_cpu
+        """Whether resize() is one C++ pass (the helper recorded the target, every storage a CPU or CUDA one)."""
+        return self.record is not None and self.record.all_resizable_in_one_pass
 
     def watch(self, resolved: "Resolved") -> Any:
         """A StorageWatch over the live storages (the helper's, from the record), or None."""
@@ -654,9 +654,9 @@ def cached(named: Sequence[tuple[str, torch.Tensor]]) -> Optional[Resolved]:
 def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = None) -> bool:
     """`untyped_storage().resize_(n)` of a resolved target's live storages (those that hold memory in its
     layout), in order: to 0 (release) or back to their layout sizes; the plan then follows the target as
-    it is (refresh()). One C++ call for all of them where the
-    helper recorded the target and every storage is a CPU one, else one call each (torch's CUDA resize
-    lives in libtorch_cuda, which the helper does not link). Stops at the first failure with the earlier
+    it is (refresh()). One C++ call for all of them where the helper recorded the target and every storage is
+    a CPU or CUDA one (a CUDA storage through its own allocator, torch's caching allocator: see the helper's
+    resize_empty), else one call each. Stops at the first failure with the earlier
     ones resized (callers undo by size).
 
     With `refusals` (one message per live storage) and the helper's pass, each storage also refuses access

@@ -476,14 +476,16 @@ def _global_forward_guard(module: torch.nn.Module, args: Any) -> None:
     next and may reach its submodules' tensors (FSDP2's unshard of a unit, ZeRO-3's gather), so all of them
     are looked at then. Nothing at all inside a compiled graph (dynamo traces this to nothing; the compiled
     code meets line 1)."""
-    if torch.compiler.is_compiling() or not _sets:  # (in this order: dynamo would guard on _sets' length)
+    if torch.compiler.is_compiling():  # (first: dynamo would guard on _sets' length)
         return
     keys = list(_keys_of(module) if module._forward_pre_hooks else _own_keys(module))
     index = _index  # (a built index is never changed, only replaced: read without the lock, which would prune)
-    if index is not None and index.keys().isdisjoint(keys):
+    if _sets and index is not None and index.keys().isdisjoint(keys):
         return
     with lock:  # confirmed under the lock (after prune: a dead storage's address may be a new one's now)
-        if _sets and not _key_index().keys().isdisjoint(keys):
+        if not _sets:  # nothing offloaded (a model dropped while offloaded leaves the hook): it goes
+            _remove_global_hook(force=True)
+        elif not _key_index().keys().isdisjoint(keys):
             raise _offloaded_error(module, "run")
 
 
@@ -502,11 +504,12 @@ def _install_global_hook() -> None:
         _global_hook = torch.nn.modules.module.register_module_forward_pre_hook(_global_forward_guard)
 
 
-def _remove_global_hook() -> None:
-    """Removes the global hook once no guarded module is left (call with the lock held)."""
+def _remove_global_hook(force: bool = False) -> None:
+    """Removes the global hook once no guarded module is left, or (force) once nothing is offloaded at all
+    (call with the lock held; torch iterates a copy of the hooks, so the hook may remove itself)."""
     global _global_hook
     handle = _global_hook
-    if handle is not None and not any(isinstance(top, torch.nn.Module) for top in list(_guards.keys())):
+    if handle is not None and (force or not any(isinstance(top, torch.nn.Module) for top in list(_guards.keys()))):
         _global_hook = None
         handle.remove()
 

@@ -437,6 +437,28 @@ def test_the_batched_calls_accept_no_bare_storage_keys():
 
 
 @needs_ext
+def test_the_resize_cuda_storages_get_runs_on_cpu_storages_too():
+    # resize_live resizes a CUDA storage through its own allocator under a device guard (no libtorch_cuda in
+    # the helper); the same code on CPU storages: released to 0, grown from 0, refused otherwise.
+    ts = [torch.randn(5), torch.randn(2, 3)]
+    torch_ext.ext.resize_storages(ts, [0, 0], through_allocator=True)
+    assert [t.untyped_storage().nbytes() for t in ts] == [0, 0]
+    assert [t.untyped_storage().data_ptr() for t in ts] == [0, 0]
+    torch_ext.ext.resize_storages(ts, [20, 24], through_allocator=True)
+    assert [t.untyped_storage().nbytes() for t in ts] == [20, 24]
+    assert all(t.untyped_storage().data_ptr() != 0 for t in ts)
+    ts[0].fill_(1.5)
+    ts[1].copy_(torch.arange(6.0).view(2, 3))
+    assert ts[0].tolist() == [1.5] * 5 and ts[1].sum().item() == 15.0
+    with pytest.raises(ValueError, match="grows only from 0 bytes"):
+        torch_ext.ext.resize_storages(ts[:1], [40], through_allocator=True)
+    fixed = torch.from_numpy(__import__("numpy").zeros(4, dtype="float32"))  # not resizable
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch_ext.ext.resize_storages([fixed], [0], through_allocator=True)
+    assert fixed.untyped_storage().nbytes() == 16
+
+
+@needs_ext
 def test_a_record_follows_its_storages_through_resize_live():
     ts = [torch.randn(5), torch.randn(2, 3), torch.empty(0)]
     values = [t.clone() for t in ts]

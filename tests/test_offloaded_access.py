@@ -258,7 +258,7 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
         pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
     monkeypatch.setattr(_registry, "_submodules_hooked", lambda: not helper)
     global_hooks = torch.nn.modules.module._global_forward_pre_hooks
-    before = dict(global_hooks)
+    ours = _registry._global_forward_guard
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2)))
     model[1][0].forward = lambda x: x.clamp(min=0)  # a forward of its own (as accelerate's hooks set): kept
     own = model[1][0].forward
@@ -269,18 +269,33 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
     hooked = [len(m._forward_pre_hooks) == 1 and len(m._state_dict_pre_hooks) == 1 and
               len(m._load_state_dict_pre_hooks) == 1 for m in model.modules()]
     assert hooked == ([True] + [False] * 4 if helper else [True] * 5)
-    assert len(global_hooks) == len(before) + (1 if helper else 0)
+    assert list(global_hooks.values()).count(ours) == (1 if helper else 0)
     assert len(opt._optimizer_step_pre_hooks) == 1
     with pytest.raises(go.OffloadError, match=r"cannot run Linear '1\.1' of Sequential"):
         model[1][1](torch.ones(1, 4))
     assert other(torch.ones(1, 4)).shape == (1, 4)
     go.reload([model, opt])
-    assert dict(global_hooks) == before
+    assert ours not in global_hooks.values()
     assert all(not m._forward_pre_hooks and not m._state_dict_pre_hooks and not m._load_state_dict_pre_hooks
                for m in model.modules())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_state_dict_pre_hooks
     assert model[1][0].forward is own and ["forward" in vars(m) for m in model.modules()] == [False, False, False, True, False]
     assert model(torch.ones(1, 4)).shape == (1, 2)
+
+
+@needs_guard
+def test_the_global_hook_goes_when_an_offloaded_model_is_dropped(arena):
+    import gc
+    ours = _registry._global_forward_guard
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    go.offload(model, arena=arena)
+    assert ours in torch.nn.modules.module._global_forward_pre_hooks.values()
+    del model
+    gc.collect()
+    other = torch.nn.Linear(4, 4)
+    other(torch.ones(1, 4))  # the hook finds nothing offloaded and removes itself
+    assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
+    assert arena.used_bytes == 0
 
 
 @needs_guard

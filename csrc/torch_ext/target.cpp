@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <ATen/native/Resize.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -47,6 +48,37 @@ Items items_of(py::handle list) {
   if (!PyList_CheckExact(list.ptr())) throw py::type_error("expected a list");
   return {reinterpret_cast<PyListObject*>(list.ptr())->ob_item, PyList_GET_SIZE(list.ptr())};
 }
+
+// A storage resized to 0 or, from 0, to n bytes, the two sizes offload and reload ask for (nothing to copy).
+// CPU: torch's own resize_bytes_cpu (what UntypedStorage.resize_ calls). CUDA: what resize_bytes_cuda does
+// for those sizes, through the storage's own allocator (torch's caching allocator, behind c10::Allocator)
+// under a c10::DeviceGuard (c10's device-guard registry, which torch's CUDA library fills): this helper then
+// links no libtorch_cuda and serves CPU and CUDA builds of a torch version alike. `through_allocator` takes
+// that second way for a CPU storage too (the tests exercise it where there is no GPU).
+void resize_empty(c10::StorageImpl* s, size_t nbytes, bool through_allocator = false) {
+  const c10::Device device = s->device();
+  if (device.is_cpu() && !through_allocator) {
+    at::native::resize_bytes_cpu(s, nbytes);
+    return;
+  }
+  if (!device.is_cpu() && !device.is_cuda()) throw py::value_error("resize: CPU and CUDA storages only");
+  if (!s->resizable()) throw std::runtime_error("Trying to resize storage that is not resizable");
+  if (nbytes == 0) {
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, device));
+    s->set_nbytes(0);
+    return;
+  }
+  if (s->nbytes() == nbytes) return;  // (a reload finishing one an interrupt cut short: already its size)
+  if (s->nbytes() != 0) throw py::value_error("resize: a storage grows only from 0 bytes here");
+  c10::Allocator* allocator = s->allocator();
+  if (allocator == nullptr) throw std::runtime_error("Trying to resize storage without an allocator");
+  c10::DeviceGuard guard(device);
+  at::DataPtr data = allocator->allocate(nbytes);  // (the caching allocator: on the current stream, as torch's)
+  s->set_data_ptr_noswap(std::move(data));
+  s->set_nbytes(nbytes);
+}
+
+bool one_pass_device(const c10::Device& device) { return device.is_cpu() || device.is_cuda(); }
 
 }  // namespace
 
@@ -190,9 +222,9 @@ bool TargetRecord::all_resizable() const {
   return true;
 }
 
-bool TargetRecord::all_cpu() const {
+bool TargetRecord::all_resizable_in_one_pass() const {
   for (const StorageFacts& s : storages_) {
-    if (!s.device.is_cpu()) return false;
+    if (!one_pass_device(s.device)) return false;
   }
   return true;
 }
@@ -232,21 +264,35 @@ void TargetRecord::set_refusals(std::vector<std::string> messages) {
 void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
   if (refuse && refusals_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
   const std::vector<c10::StorageImpl*> impls = live_storages(list);
-  for (c10::StorageImpl* s : impls) {
-    // CUDA storages go through torch's own resize_ in Python: its CUDA path lives in libtorch_cuda, which this
-    // helper does not link (one binary serves CPU and CUDA builds of a torch version).
-    if (!s->device().is_cpu()) throw py::value_error("resize_live: CPU storages only");
+  for (size_t k = 0; k < impls.size(); ++k) {
+    if (!one_pass_device(impls[k]->device())) throw py::value_error("resize_live: CPU and CUDA storages only");
+    const size_t have = impls[k]->nbytes(), want = storages_[static_cast<size_t>(live_[k])].recorded_nbytes;
+    if (!release && !impls[k]->device().is_cpu() && have != 0 && have != want) {
+      throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(have) + " bytes, neither 0 nor its " +
+                            std::to_string(want));
+    }
   }
-  // What UntypedStorage.resize_ does for a CPU storage (torch/csrc/StorageMethods.cpp). Stops at the first
-  // failure (a RuntimeError) with the earlier storages resized: the caller undoes by size, as after a
-  // Python loop. The record follows each storage as it is resized (what refresh() would read), so it is
-  // exact even after a failure.
+  // What UntypedStorage.resize_ does (torch/csrc/StorageMethods.cpp; see resize_empty). Stops at the first
+  // failure (a RuntimeError: out of memory) with the earlier storages resized: the caller undoes by size,
+  // as after a Python loop. The record follows each storage as it is resized (what refresh() would read),
+  // so it is exact even after a failure.
+  try {
+    resize_each(impls, release, refuse);
+  } catch (const c10::OutOfMemoryError& e) {
+    // torch.OutOfMemoryError, as UntypedStorage.resize_ raises it (swap() falls back on it), not pybind11's
+    // RuntimeError.
+    PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), e.what_without_backtrace());
+    throw py::error_already_set();
+  }
+}
+
+void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse) {
   for (size_t k = 0; k < impls.size(); ++k) {
     if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
     // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
     if (refuse && !release) allow_access_of(impls[k]);
-    at::native::resize_bytes_cpu(impls[k], release ? 0 : facts.recorded_nbytes);
+    resize_empty(impls[k], release ? 0 : facts.recorded_nbytes);
     facts.data = data_of(impls[k]);
     facts.nbytes = impls[k]->nbytes();
     if (refuse && release) refuse_access_of(impls[k], refusals_[k]);
@@ -266,14 +312,18 @@ py::list TargetRecord::live() const {
 
 // -- batched storage operations ---------------------------------------------------------------------------
 
-void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes) {
+void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator) {
   std::vector<c10::StorageImpl*> impls = storages_of(storages.ptr(), /*keys_allowed=*/false);
   if (impls.size() != nbytes.size()) throw py::value_error("resize_storages: one size per storage");
   for (size_t i = 0; i < impls.size(); ++i) {
     if (!impls[i]->device().is_cpu()) throw py::value_error("resize_storages: CPU storages only");
     if (nbytes[i] < 0) throw py::value_error("resize_storages: negative size");
+    if (through_allocator && nbytes[i] != 0 && impls[i]->nbytes() != 0 &&
+        impls[i]->nbytes() != static_cast<size_t>(nbytes[i])) {
+      throw py::value_error("resize_storages: through the allocator, a storage grows only from 0 bytes");
+    }
   }
-  for (size_t i = 0; i < impls.size(); ++i) at::native::resize_bytes_cpu(impls[i], static_cast<size_t>(nbytes[i]));
+  for (size_t i = 0; i < impls.size(); ++i) resize_empty(impls[i], static_cast<size_t>(nbytes[i]), through_allocator);
 }
 
 StorageWatch::StorageWatch(py::handle storages)

@@ -204,7 +204,7 @@ PYBIND11_MODULE(_torch_ext, m) {
            "A StorageWatch over the recorded live storages of `tensors`.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
-      .def_property_readonly("all_cpu", &TargetRecord::all_cpu)
+      .def_property_readonly("all_resizable_in_one_pass", &TargetRecord::all_resizable_in_one_pass)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)
       .def_property_readonly("num_storages", &TargetRecord::num_storages);
   m.def(
@@ -219,8 +219,9 @@ PYBIND11_MODULE(_torch_ext, m) {
       py::arg("tensors"),
       "A TargetRecord of a list of plain tensors (exact torch.Tensor/Parameter with strided storage), or None.");
   m.def("resize_storages", &resize_storages, py::arg("storages"), py::arg("nbytes"),
+        py::arg("through_allocator") = false,
         "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "
-        "the first failure).");
+        "the first failure); through_allocator: the way resize_live resizes a CUDA storage (to 0, or from 0).");
   py::class_<StorageWatch>(m, "StorageWatch")
       .def(py::init<py::handle>(), py::arg("storages"), "Watches tensors' or UntypedStorages' storages.")
       .def("dead", &StorageWatch::dead)

@@ -70,7 +70,7 @@ class TargetRecord {
   StorageWatch* watch_live(py::handle list) const;
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const;
-  bool all_cpu() const;
+  bool all_resizable_in_one_pass() const;  // every storage a CPU or CUDA one (what resize_live handles)
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_storages() const { return storages_.size(); }
 
@@ -95,6 +95,7 @@ class TargetRecord {
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
+  void resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse);
   std::vector<TensorFacts> tensors_;
   std::vector<int64_t> dims_;
   std::vector<StorageFacts> storages_;
@@ -120,7 +121,7 @@ class StorageWatch {
   size_t num_watched_ = 0;
 };
 
-void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes);
+void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator);
 py::object plain_items(py::handle mapping);
 bool any_grad(py::handle list, Py_ssize_t count);
 void bump_versions(py::handle list);
