@@ -272,6 +272,29 @@ std::size_t cgroup_headroom(const std::string& root, const std::string& proc_sel
   return headroom;
 }
 
+namespace {
+
+// A /proc/meminfo figure in bytes ("MemTotal:", "MemAvailable:"), 0 where it is absent. Read line by line:
+// some lines (HugePages_Total and the like) have no unit, which a word-by-word read would misalign.
+std::size_t meminfo_bytes(const char* key) {
+  std::ifstream meminfo("/proc/meminfo");
+  const std::size_t n = std::strlen(key);
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.compare(0, n, key) == 0) {
+      return static_cast<std::size_t>(std::strtoull(line.c_str() + n, nullptr, 10)) * 1024;  // (kB)
+    }
+  }
+  return 0;
+}
+
+// The lower of the host's figure and the cgroup's, either of which may be unknown (0).
+std::size_t lower_known(std::size_t host, std::size_t cgroup) {
+  return cgroup != 0 && (host == 0 || cgroup < host) ? cgroup : host;
+}
+
+}  // namespace
+
 std::size_t available_host_memory() {
   // GPU_OFFLOAD_HOST_MEMORY_BYTES stands in for the measured figure (0: no check). A machine whose memory
   // grows as it is used (a VM with memory hot-plug or a balloon) reports far less MemAvailable at first
@@ -285,19 +308,7 @@ std::size_t available_host_memory() {
     }
     return static_cast<std::size_t>(value);
   }
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  std::size_t value = 0, available = 0;
-  std::string unit;
-  while (meminfo >> key >> value >> unit) {
-    if (key == "MemAvailable:") {
-      available = value * 1024;
-      break;
-    }
-  }
-  const std::size_t headroom = cgroup_headroom("/sys/fs/cgroup", self_cgroup());
-  if (headroom != 0 && (available == 0 || headroom < available)) return headroom;
-  return available;
+  return lower_known(meminfo_bytes("MemAvailable:"), cgroup_headroom("/sys/fs/cgroup", self_cgroup()));
 }
 
 std::size_t cgroup_limit(const std::string& root, const std::string& proc_self_cgroup) {
@@ -313,18 +324,7 @@ std::size_t cgroup_limit(const std::string& root, const std::string& proc_self_c
 }
 
 std::size_t host_memory_limit() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  std::size_t value = 0, total = 0;
-  while (meminfo >> key >> value >> unit) {
-    if (key == "MemTotal:") {
-      total = value * 1024;
-      break;
-    }
-  }
-  const std::size_t limit = cgroup_limit("/sys/fs/cgroup", self_cgroup());
-  if (limit != 0 && (total == 0 || limit < total)) return limit;
-  return total;
+  return lower_known(meminfo_bytes("MemTotal:"), cgroup_limit("/sys/fs/cgroup", self_cgroup()));
 }
 
 HostMemoryStats process_host_memory() {
