@@ -459,6 +459,40 @@ def test_the_resize_cuda_storages_get_runs_on_cpu_storages_too():
 
 
 @needs_ext
+@pytest.mark.skipif(not torch_ext.access_guard_available(), reason="this torch cannot lift a refusal")
+def test_the_refusal_messages_move_between_the_record_and_the_storages_and_none_is_lost():
+    # resize_live(refuse=True) moves each message into its storage at a release and back at the growth; a
+    # refusal lifted by someone else (allow_access) takes its message with it, and the next release copies
+    # it again from the list given.
+    ts = [torch.randn(3), torch.randn(2)]
+    values = [t.clone() for t in ts]
+    record = torch_ext.ext.record(ts)
+    record.set_refusals(["gpu_offload: a is offloaded", "gpu_offload: b is offloaded"])
+    for _ in range(3):
+        record.resize_live(ts, True, True)
+        for t, name in zip(ts, "ab"):
+            with pytest.raises(RuntimeError, match=f"^gpu_offload: {name} is offloaded$"):
+                t.sum()
+        record.resize_live(ts, False, True)
+        assert not any(torch_ext.access_refused(t) for t in ts)
+    record.resize_live(ts, True, True)
+    torch_ext.allow_access(ts)  # not through the record: the messages go
+    torch_ext.ext.resize_storages(ts, [12, 8])
+    for t, v in zip(ts, values):
+        t.copy_(v)
+    record.refresh(ts)
+    record.resize_live(ts, True, True)
+    with pytest.raises(RuntimeError, match="^gpu_offload: b is offloaded$"):
+        ts[1].sum()
+    record.resize_live(ts, False, True)
+    with pytest.raises(TypeError):
+        record.set_refusals(["one", 2])
+    with pytest.raises(ValueError, match="1 messages for 2 live storages"):
+        record.set_refusals(["one"])
+    assert record.refusals == ["gpu_offload: a is offloaded", "gpu_offload: b is offloaded"]
+
+
+@needs_ext
 def test_a_record_follows_its_storages_through_resize_live():
     ts = [torch.randn(5), torch.randn(2, 3), torch.empty(0)]
     values = [t.clone() for t in ts]

@@ -253,16 +253,25 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
   return out;
 }
 
-void TargetRecord::set_refusals(std::vector<std::string> messages) {
+void TargetRecord::set_refusals(py::list messages) {
   if (messages.size() != live_.size()) {
     throw py::value_error("set_refusals: " + std::to_string(messages.size()) + " messages for " +
                           std::to_string(live_.size()) + " live storages");
   }
-  refusals_ = std::move(messages);
+  std::vector<std::string> parked;
+  parked.reserve(messages.size());
+  for (size_t k = 0; k < messages.size(); ++k) {
+    if (!PyUnicode_Check(messages[k].ptr())) {
+      throw py::type_error("set_refusals: message " + std::to_string(k) + " is not a str");  // (nothing set)
+    }
+    parked.push_back(messages[k].cast<std::string>());
+  }
+  messages_ = std::move(messages);
+  parked_ = std::move(parked);
 }
 
 void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
-  if (refuse && refusals_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
+  if (refuse && parked_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
   const std::vector<c10::StorageImpl*> impls = live_storages(list);
   for (size_t k = 0; k < impls.size(); ++k) {
     if (!one_pass_device(impls[k]->device())) throw py::value_error("resize_live: CPU and CUDA storages only");
@@ -291,11 +300,14 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool
     if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
     // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
-    if (refuse && !release) allow_access_of(impls[k]);
+    if (refuse && !release) allow_access_moving(impls[k], parked_[k]);
     resize_empty(impls[k], release ? 0 : facts.recorded_nbytes);
     facts.data = data_of(impls[k]);
     facts.nbytes = impls[k]->nbytes();
-    if (refuse && release) refuse_access_of(impls[k], refusals_[k]);
+    if (refuse && release) {
+      if (parked_[k].empty()) parked_[k] = messages_[k].cast<std::string>();
+      refuse_access_moving(impls[k], parked_[k]);
+    }
   }
 }
 

@@ -33,6 +33,10 @@ std::vector<c10::StorageImpl*> storages_of(PyObject* items, bool keys_allowed);
 // lift a refusal: see kAccessGuard in torch_ext.cpp, which the Python side checks first).
 void refuse_access_of(c10::StorageImpl* storage, const std::string& message);
 void allow_access_of(c10::StorageImpl* storage);
+// The same, moving the message into the storage (`message` is left empty) and, when lifting, back out of it
+// into an empty `message` (where this torch gives the slot; a copy otherwise).
+void refuse_access_moving(c10::StorageImpl* storage, std::string& message);
+void allow_access_moving(c10::StorageImpl* storage, std::string& message);
 
 // Not something the helper records (a subclass, a tensor without plain strided storage): the caller's
 // pure-Python path handles it.
@@ -64,9 +68,9 @@ class TargetRecord {
   // lifted (before it is resized back), in the same pass, with the messages of set_refusals().
   void resize_live(py::handle list, bool release, bool refuse);
   // One message per live storage, kept for resize_live(..., refuse=true).
-  void set_refusals(std::vector<std::string> messages);
-  bool has_refusals() const { return !refusals_.empty(); }
-  const std::vector<std::string>& refusals() const { return refusals_; }
+  void set_refusals(py::list messages);
+  bool has_refusals() const { return !parked_.empty(); }
+  py::list refusals() const { return messages_; }
   StorageWatch* watch_live(py::handle list) const;
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const;
@@ -101,7 +105,11 @@ class TargetRecord {
   std::vector<StorageFacts> storages_;
   std::vector<int32_t> first_tensor_;  // one tensor index per storage
   std::vector<int32_t> live_;  // the storages that held memory when recorded
-  std::vector<std::string> refusals_;  // one per live storage, or none
+  // The refusal messages, one per live storage, or none: as given (a str each), and parked here while the
+  // storages do not hold them (moved in at a release, back out at the growth; an empty one is copied
+  // again from messages_, where someone else's call lifted the refusal and its message went with it).
+  py::list messages_;
+  std::vector<std::string> parked_;
 };
 
 // Weak references to storages: which of them died, without a Python object or callback per storage.
