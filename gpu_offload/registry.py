@@ -144,11 +144,15 @@ _index: Optional[dict[int, tuple[OffloadedSet, int]]] = None  # key -> (set, pos
 generation = 0
 
 
+_version = 0  # bumped by every change of what is offloaded (the global hook's memo of clear modules)
+
+
 def _changed() -> None:
     # Called before every change of _sets or of a set's `alive`: an interrupt between the two leaves an index
     # that is rebuilt, never a stale one.
-    global _index
+    global _index, _version
     _index = None
+    _version += 1
 
 
 def _key_index() -> dict[int, tuple[OffloadedSet, int]]:
@@ -478,18 +482,26 @@ def _global_forward_guard(module: torch.nn.Module, args: Any) -> None:
     code meets line 1)."""
     if torch.compiler.is_compiling():  # (first: dynamo would guard on _sets' length)
         return
+    version = _version  # (read before the index: a change in between leaves a memo that is never matched)
+    if _clear.get(module) == version and _sets:
+        return  # found clear since the last change (a module with hooks would otherwise walk its subtree each call)
     keys = list(_keys_of(module) if module._forward_pre_hooks else _own_keys(module))
     index = _index  # (a built index is never changed, only replaced: read without the lock, which would prune)
     if _sets and index is not None and index.keys().isdisjoint(keys):
+        _clear[module] = version
         return
     with lock:  # confirmed under the lock (after prune: a dead storage's address may be a new one's now)
         if not _sets:  # nothing offloaded (a model dropped while offloaded leaves the hook): it goes
             _remove_global_hook(force=True)
         elif not _key_index().keys().isdisjoint(keys):
             raise _offloaded_error(module, "run")
+        else:
+            _clear[module] = version
 
 
 _global_hook: Optional[Any] = None  # the RemovableHandle of _global_forward_guard while installed
+# Modules the global hook found clear of offloaded storages, with the _version they were found at (weakly).
+_clear: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def _submodules_hooked() -> bool:
@@ -512,6 +524,7 @@ def _remove_global_hook(force: bool = False) -> None:
     if handle is not None and (force or not any(isinstance(top, torch.nn.Module) for top in list(_guards.keys()))):
         _global_hook = None
         handle.remove()
+        _clear.clear()
 
 
 def _holds_offloaded(obj: Any) -> bool:

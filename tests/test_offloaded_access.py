@@ -284,6 +284,32 @@ def test_hooks_are_one_per_module_and_go_with_the_reload(arena, monkeypatch, hel
 
 
 @needs_guard
+def test_the_global_hook_walks_a_hooked_module_once_per_change(arena, monkeypatch):
+    # A module with pre-hooks of its own (a ZeRO-3 or FSDP unit not offloaded, run while another model is)
+    # has its whole subtree looked at, once: then it is known clear until what is offloaded changes.
+    walks: list[int] = []
+    keys_of = _registry._keys_of
+    monkeypatch.setattr(_registry, "_keys_of", lambda m: (walks.append(id(m)), keys_of(m))[1])
+    offloaded = torch.nn.Linear(4, 4)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    other.register_forward_pre_hook(lambda m, args: None)
+    go.offload(offloaded, arena=arena)
+    try:
+        for _ in range(3):
+            other(torch.ones(1, 4))
+        assert walks.count(id(other)) == 1
+        extra = {"t": torch.randn(8)}
+        go.offload(extra, arena=arena)  # a change: looked at again
+        other(torch.ones(1, 4))
+        assert walks.count(id(other)) == 2
+        go.reload(extra)
+        with pytest.raises(go.OffloadError, match="cannot run Linear"):
+            offloaded(torch.ones(1, 4))
+    finally:
+        go.reload(offloaded)
+
+
+@needs_guard
 def test_the_global_hook_goes_when_an_offloaded_model_is_dropped(arena):
     import gc
     ours = _registry._global_forward_guard
