@@ -55,6 +55,12 @@ Items items_of(py::handle list) {
 // under a c10::DeviceGuard (c10's device-guard registry, which torch's CUDA library fills): this helper then
 // links no libtorch_cuda and serves CPU and CUDA builds of a torch version alike. `through_allocator` takes
 // that second way for a CPU storage too (the tests exercise it where there is no GPU).
+// Whether resize_empty's allocator way can take a storage to `nbytes`: to 0, from 0, or to the size it holds
+// (a reload finishing one an interrupt cut short).
+bool resizes_empty(const c10::StorageImpl* s, size_t nbytes) {
+  return nbytes == 0 || s->nbytes() == 0 || s->nbytes() == nbytes;
+}
+
 void resize_empty(c10::StorageImpl* s, size_t nbytes, bool through_allocator = false) {
   const c10::Device device = s->device();
   if (device.is_cpu() && !through_allocator) {
@@ -68,8 +74,8 @@ void resize_empty(c10::StorageImpl* s, size_t nbytes, bool through_allocator = f
     s->set_nbytes(0);
     return;
   }
-  if (s->nbytes() == nbytes) return;  // (a reload finishing one an interrupt cut short: already its size)
-  if (s->nbytes() != 0) throw py::value_error("resize: a storage grows only from 0 bytes here");
+  if (!resizes_empty(s, nbytes)) throw py::value_error("resize: a storage grows only from 0 bytes here");
+  if (s->nbytes() == nbytes) return;
   c10::Allocator* allocator = s->allocator();
   if (allocator == nullptr) throw std::runtime_error("Trying to resize storage without an allocator");
   c10::DeviceGuard guard(device);
@@ -275,10 +281,10 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
   const std::vector<c10::StorageImpl*> impls = live_storages(list);
   for (size_t k = 0; k < impls.size(); ++k) {
     if (!one_pass_device(impls[k]->device())) throw py::value_error("resize_live: CPU and CUDA storages only");
-    const size_t have = impls[k]->nbytes(), want = storages_[static_cast<size_t>(live_[k])].recorded_nbytes;
-    if (!release && !impls[k]->device().is_cpu() && have != 0 && have != want) {
-      throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(have) + " bytes, neither 0 nor its " +
-                            std::to_string(want));
+    const size_t want = storages_[static_cast<size_t>(live_[k])].recorded_nbytes;
+    if (!release && !impls[k]->device().is_cpu() && !resizes_empty(impls[k], want)) {
+      throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(impls[k]->nbytes()) +
+                            " bytes, neither 0 nor its " + std::to_string(want));
     }
   }
   // What UntypedStorage.resize_ does (torch/csrc/StorageMethods.cpp; see resize_empty). Stops at the first
@@ -330,8 +336,7 @@ void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bo
   for (size_t i = 0; i < impls.size(); ++i) {
     if (!impls[i]->device().is_cpu()) throw py::value_error("resize_storages: CPU storages only");
     if (nbytes[i] < 0) throw py::value_error("resize_storages: negative size");
-    if (through_allocator && nbytes[i] != 0 && impls[i]->nbytes() != 0 &&
-        impls[i]->nbytes() != static_cast<size_t>(nbytes[i])) {
+    if (through_allocator && !resizes_empty(impls[i], static_cast<size_t>(nbytes[i]))) {
       throw py::value_error("resize_storages: through the allocator, a storage grows only from 0 bytes");
     }
   }

@@ -85,40 +85,6 @@ struct has_access_guard<S, std::void_t<decltype(std::declval<S&>().clear_data_pt
                                            std::optional<std::string>()))>> : std::true_type {};
 constexpr bool kAccessGuard = has_access_guard<c10::StorageImpl>::value;
 
-template <typename S>
-void refuse(const std::vector<S*>& storages, const std::string& message) {
-  if constexpr (has_access_guard<S>::value) {
-    for (S* s : storages) s->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
-  }
-}
-
-template <typename S>
-void refuse_each(const std::vector<S*>& storages, const std::vector<std::string>& messages) {
-  if constexpr (has_access_guard<S>::value) {
-    for (std::size_t i = 0; i < storages.size(); ++i) {
-      storages[i]->release_data_and_set_meta_custom_data_ptr_error_msg_(messages[i]);
-    }
-  }
-}
-
-template <typename S>
-void allow(const std::vector<S*>& storages) {
-  if constexpr (has_access_guard<S>::value) {
-    for (S* s : storages) s->clear_data_ptr_access_error_msg_();
-  }
-}
-
-}  // namespace
-
-void refuse_access_of(c10::StorageImpl* storage, const std::string& message) {
-  if constexpr (kAccessGuard) storage->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
-}
-
-void allow_access_of(c10::StorageImpl* storage) {
-  if constexpr (kAccessGuard) storage->clear_data_ptr_access_error_msg_();
-}
-
-namespace {
 // StorageImpl::get_extra_meta() (public where the access guard is): the message's own slot, which a
 // refusal can move a string into, and a lifting move it out of, instead of a copy and a free per storage
 // per cycle (a third of an offload+reload of 65536 tiny tensors).
@@ -127,26 +93,46 @@ struct has_extra_meta : std::false_type {};
 template <typename S>
 struct has_extra_meta<S, std::void_t<decltype(std::declval<S&>().get_extra_meta().custom_data_ptr_error_msg_)>>
     : std::true_type {};
-}  // namespace
 
-void refuse_access_moving(c10::StorageImpl* storage, std::string& message) {
-  if constexpr (kAccessGuard && has_extra_meta<c10::StorageImpl>::value) {
+// Templates on the storage type, so that `if constexpr` discards the calls of members this torch lacks (in
+// a plain function the discarded branch would still have to compile).
+template <typename S>
+void refuse_one(S* storage, const std::string& message) {
+  if constexpr (has_access_guard<S>::value) storage->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+}
+
+template <typename S>
+void allow_one(S* storage) {
+  if constexpr (has_access_guard<S>::value) storage->clear_data_ptr_access_error_msg_();
+}
+
+template <typename S>
+void refuse_one_moving(S* storage, std::string& message) {
+  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
     storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::nullopt);  // the flag, no message yet
     auto& slot = storage->get_extra_meta().custom_data_ptr_error_msg_;
     slot.emplace();
     slot->swap(message);
   } else {
-    refuse_access_of(storage, message);
+    refuse_one(storage, message);
   }
 }
 
-void allow_access_moving(c10::StorageImpl* storage, std::string& message) {
-  if constexpr (kAccessGuard && has_extra_meta<c10::StorageImpl>::value) {
+template <typename S>
+void allow_one_moving(S* storage, std::string& message) {
+  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
     auto& slot = storage->get_extra_meta().custom_data_ptr_error_msg_;
     if (slot && message.empty()) message.swap(*slot);
   }
-  allow_access_of(storage);
+  allow_one(storage);
 }
+
+}  // namespace
+
+void refuse_access_of(c10::StorageImpl* storage, const std::string& message) { refuse_one(storage, message); }
+void allow_access_of(c10::StorageImpl* storage) { allow_one(storage); }
+void refuse_access_moving(c10::StorageImpl* storage, std::string& message) { refuse_one_moving(storage, message); }
+void allow_access_moving(c10::StorageImpl* storage, std::string& message) { allow_one_moving(storage, message); }
 
 namespace {
 
@@ -172,7 +158,7 @@ PYBIND11_MODULE(_torch_ext, m) {
       "refuse_access",
       [](const py::sequence& items, const std::string& message) {
         require_access_guard();
-        refuse(storages_of(items.ptr(), true), message);
+        for (c10::StorageImpl* s : storages_of(items.ptr(), true)) refuse_access_of(s, message);
       },
       py::arg("storages"), py::arg("message"),
       "Makes every storage refuse any data-pointer access (reads, writes, data_ptr(), torch.save) with a "
@@ -181,7 +167,7 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def(
       "allow_access", [](const py::sequence& items) {
         require_access_guard();
-        allow(storages_of(items.ptr(), true));
+        for (c10::StorageImpl* s : storages_of(items.ptr(), true)) allow_access_of(s);
       },
       py::arg("storages"), "Lifts refuse_access() from every storage, in one call.");
   m.def(
@@ -209,7 +195,7 @@ PYBIND11_MODULE(_torch_ext, m) {
           throw py::value_error("refuse_access: " + std::to_string(messages.size()) + " messages for " +
                                 std::to_string(storages.size()) + " storages");
         }
-        refuse_each(storages, messages);
+        for (std::size_t i = 0; i < storages.size(); ++i) refuse_access_of(storages[i], messages[i]);
       },
       py::arg("storages"), py::arg("messages"));
 
