@@ -69,7 +69,7 @@ def _refuse_offloaded(resolved: _plan.Resolved, op: str) -> None:
             raise OffloadError(f"cannot {op}: {name} is offloaded; call gpu_offload.reload() first")
         plan.clear_of = _registry.generation
     if plan.released:  # emptied by an offload that is no longer registered, yet not reloaded
-        name = plan.layout.storages[plan.live[0]].name if plan.live else "the target"
+        name = plan.layout.storage_columns[0][plan.live[0]] if plan.live else "the target"
         raise OffloadError(f"cannot {op}: {name}: its memory was released and not brought back; reload it first")
 
 
@@ -77,8 +77,8 @@ def _first_views(resolved: _plan.Resolved) -> list[torch.Tensor]:
     """One tensor viewing each of the target's storages that holds memory (for the allocator's record_stream)."""
     if all(d.type != "cuda" for d in resolved.layout.devices):
         return []
-    first, specs = resolved.plan.first_tensor, resolved.layout.storages
-    return [resolved.tensors[first[i]] for i, spec in enumerate(specs) if spec.nbytes and spec.device.type == "cuda"]
+    first, (_, nbytes, devices, _) = resolved.plan.first_tensor, resolved.layout.storage_columns
+    return [resolved.tensors[first[i]] for i, (n, d) in enumerate(zip(nbytes, devices)) if n and d >= 0]
 
 
 def _empty_cache(devices: list[torch.device]) -> None:
@@ -158,7 +158,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         except BaseException:
             snap.free()
             raise
-    _log_rate("snapshot", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
+    _log_rate("snapshot", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
     snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
     if isinstance(target, torch.nn.Module):  # for save_state_dict: which names its state_dict() has
         snap._source = weakref.ref(target)
@@ -217,7 +217,7 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         resolved = _resolve_live(target, snap.include_grads, "restore")
         layout = resolved.layout
         mapping = match(snap.layout, layout)
-        plans = resolved.plan.copies(None if mapping is None else [snap.layout.storages[i].host_offset for i in mapping])
+        plans = resolved.plan.copies(None if mapping is None else list(map(snap.layout.storage_columns[3].__getitem__, mapping)))
         if verify:
             snap.verify()
         # Ordered after the snapshot's own copy (on the GPU); the region has a user of its own for the copy,
@@ -241,7 +241,7 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
                                    expected if mapping is None else [expected[i] for i in mapping],
                                    "restored data differs from the snapshot's source")
-    _log_rate("restore", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
+    _log_rate("restore", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
 
 
 GRADS_POLICIES = ("keep", "copy", "drop")
@@ -400,7 +400,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
         _log_kept_grads(target, resolved)
     if empty_cache:
         _empty_cache(layout.devices + [st.device for _, st, _ in dropping])
-    _log_rate("offload", layout.nbytes, start, len(layout.tensors), len(layout.storages), not events)
+    _log_rate("offload", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
 
 
 def reload(target: Any, *, verify: bool = False) -> None:
@@ -439,14 +439,14 @@ def reload(target: Any, *, verify: bool = False) -> None:
         if verify:  # integrity: and the reloaded device data after
             storages = resolved.storages()
             _registry.verify_reloaded([(storages[i], offloaded.record(p)) for p, i in enumerate(resolved.plan.live)])
-        _log_rate("reload", resolved.layout.nbytes, start, len(resolved.layout.tensors), len(offloaded.keys), True)
+        _log_rate("reload", resolved.layout.nbytes, start, resolved.layout.num_tensors, len(offloaded.keys), True)
         return
     if verify:  # integrity: and the reloaded device data after
         _registry.verify_reloaded([(st, r) for _, st, r in records if r.region is not None])
     # The storages are live again at new addresses: remember the target's plan so that the next call on
     # it (a snapshot or the next offload) needs no fresh bind.
     _plan.remember(named, bound, shard_info=lambda: shard_info(target))
-    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, len(bound.layout.tensors), len(records), True)
+    _log_rate("reload", sum(r.nbytes for _, _, r in records), start, bound.layout.num_tensors, len(records), True)
 
 
 def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:
@@ -704,7 +704,7 @@ def is_offloaded(target: Any) -> bool:
     if not any(flags):
         return False
     # Partly offloaded (e.g. offload(model) then is_offloaded([model, opt])): only if the rest is empty.
-    return all(o or spec.nbytes == 0 for o, spec in zip(flags, bound.layout.storages))
+    return all(o or n == 0 for o, n in zip(flags, bound.layout.storage_columns[1]))
 
 
 def offloaded_bytes() -> int:

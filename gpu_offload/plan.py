@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
+import itertools
 import logging
 import operator
 import time
@@ -27,17 +27,12 @@ from . import _fork, torch_ext
 from ._errors import OffloadError
 from ._ext import _C
 from .arena import _env_int
-from .storages import PLAIN_TENSOR_TYPES, Bound, Layout, bind, extent_problem, unwrap
+from .storages import (PLAIN_TENSOR_TYPES, Bound, Layout, bind_lists, device_index, extent_problem, index_device,
+                       unwrap)
 
 _MAX_CACHED = 32
 _ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python checks)
 logger = logging.getLogger("gpu_offload")
-
-
-def device_index(device: torch.device) -> int:
-    if device.type == "cpu":
-        return -1
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def current_stream(device: int) -> int:
@@ -211,61 +206,72 @@ class TargetPlan:
     a TargetRecord (the same objects, TensorImpls, storages, views, storage memory and sizes); without it,
     the per-tensor Python checks below."""
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor], ptrs: list[int], bound: Bound,
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], bound: Bound,
                  plain: Optional[list[torch.Tensor]] = None) -> None:
         self.names = names
         self.layout: Layout = bound.layout
         self.keys = bound.keys
-        self.storage_nbytes = [s.nbytes() for s in bound.storages]
-        self._storage_ptrs: Optional[list[int]] = data_ptrs(bound.storages)
+        _, layout_nbytes, devices, self.host_offsets = bound.layout.storage_columns
         # The helper's record of plain targets (exact Tensor/Parameter): it checks identity itself, so the
-        # cache key needs only the count and the two ends.
+        # cache key needs only the count and the two ends. The C++ bind made one as it read the target.
         self.record: Any = None
-        if _ext is not None and tensors and plain is tensors:
-            record = _ext.record(tensors)
-            # (It reads what bind() read, or the plan is not one to record.)
-            if (record is not None and record.keys() == self.keys
-                    and record.storage_nbytes() == self.storage_nbytes == [s.nbytes for s in bound.layout.storages]):
-                self.record = record
+        self._storage_ptrs: Optional[list[int]] = None
+        if bound.record is not None and tensors and plain is tensors:
+            self.record = bound.record
+            self.storage_nbytes = layout_nbytes  # (what it read)
+        else:
+            self.storage_nbytes = [s.nbytes() for s in bound.storages]
+            self._storage_ptrs = data_ptrs(bound.storages)
+            if _ext is not None and tensors and plain is tensors:
+                record = _ext.record(tensors)
+                # (It reads what bind() read, or the plan is not one to record.)
+                if (record is not None and record.keys() == self.keys
+                        and record.storage_nbytes() == self.storage_nbytes == layout_nbytes):
+                    self.record = record
+        self.ptrs: Optional[list[int]] = None
         if self.record is not None:
             self.key: tuple[Any, ...] = ("record", len(tensors), id(tensors[0]), id(tensors[-1]))
-            self.ptrs = ptrs
         else:
             # The cache key is the tensors' ids; when any of them dies its id may be reused, so the plan
             # leaves the cache then (the weakref callback) and a hit needs no identity check per tensor.
             self.key = tuple(map(id, tensors))
-            self.ptrs = ptrs
-        key = self.key
+            self.ptrs = data_ptrs(plain if plain is not None else _plain(tensors))
+        key, me = self.key, weakref.ref(self)
         fired: list[bool] = []
 
         def forget(_: Any) -> None:
             # Once per plan, not once per tensor: pruning hashes the key, a tuple as long as the target.
             if not fired:
                 fired.append(True)
-                _forget(key)
+                _forget(key, me)
 
         # With a record, identity is checked in C++: one weak reference, to the first storage, is enough to
         # drop the plan of a dead target promptly (a plan whose other tensors died is merely never valid),
         # and the tensors carry none (torch.utils.swap_tensors refuses tensors that have one).
-        self.refs = ([weakref.ref(bound.storages[0], forget)] if self.record is not None
+        self.refs = ([weakref.ref(bound.storage(0), forget)] if self.record is not None
                      else [weakref.ref(t, forget) for t in tensors])
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
-        first: dict[int, int] = {}
-        for i, spec in enumerate(bound.layout.tensors):
-            first.setdefault(spec.storage, i)
-        self.first_tensor = [first[i] for i in range(len(bound.layout.storages))]
-        specs = bound.layout.storages
-        self.host_offsets = [s.host_offset for s in specs]
+        if bound.first_tensor is not None:
+            self.first_tensor = bound.first_tensor
+        elif self.record is not None:
+            self.first_tensor = self.record.first_tensor()
+        else:
+            first: dict[int, int] = {}
+            for i, storage in enumerate(bound.layout.tensor_columns()[0]):
+                first.setdefault(storage, i)
+            self.first_tensor = [first[i] for i in range(bound.layout.num_storages)]
         # The storages that hold memory (an offload releases these), and the copies' device groups.
-        self.live = [i for i, s in enumerate(specs) if s.nbytes]
-        devices = [device_index(s.device) for s in specs]
-        groups: dict[int, list[int]] = {}
-        for i in self.live:
-            groups.setdefault(devices[i], []).append(i)
-        whole = len(groups) == 1 and len(self.live) == len(specs)
+        self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
+        if len(set(devices)) == 1:
+            groups = {devices[0]: self.live} if self.live else {}
+        else:
+            groups = {}
+            for i in self.live:
+                groups.setdefault(devices[i], []).append(i)
+        whole = len(groups) == 1 and len(self.live) == len(layout_nbytes)
         self._groups = [(d, None if whole else idx) for d, idx in sorted(groups.items())]
-        self._sizes = [s.nbytes for s in specs]
+        self._sizes = layout_nbytes
         # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
         # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
         self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
@@ -289,10 +295,11 @@ class TargetPlan:
         """Keys, sizes, devices, host offsets and names of the storages that hold memory (made once; shared,
         never to be changed)."""
         if self._live_columns is None:
-            specs, keys = self.layout.storages, self.keys
-            live = [specs[i] for i in self.live]
-            self._live_columns = ([keys[i] for i in self.live], [s.nbytes for s in live], [s.device for s in live],
-                                  [s.host_offset for s in live], [s.name for s in live])
+            names, nbytes, devices, hosts = self.layout.storage_columns
+            live, keys = self.live, self.keys
+            pick = operator.itemgetter(*live) if len(live) > 1 else (lambda xs: tuple(xs[i] for i in live))
+            self._live_columns = (list(pick(keys)), list(pick(nbytes)), list(map(index_device, pick(devices))),
+                                  list(pick(hosts)), list(pick(names)))
         return self._live_columns
 
     def all_resizable(self, resolved: "Resolved") -> Optional[str]:
@@ -302,7 +309,7 @@ class TargetPlan:
         storages = resolved.storages()
         for i in self.live:
             if not storages[i].resizable():
-                return self.layout.storages[i].name
+                return self.layout.storage_columns[0][i]
         return None
 
     def valid(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
@@ -497,10 +504,10 @@ _dtype_of = operator.attrgetter("dtype")
 
 def _views_match(layout: Layout, plain: list[torch.Tensor]) -> bool:
     """Shapes, dtypes and strides of the tensors against the layout's (about 0.35 us per tensor)."""
-    specs = layout.tensors
-    return (list(map(_shape_of, plain)) == [t.shape for t in specs]
-            and list(map(_dtype_of, plain)) == [t.dtype for t in specs]
-            and list(map(torch.Tensor.stride, plain)) == [t.stride for t in specs]
+    _, _, shapes, strides, dtypes = layout.tensor_columns()
+    return (list(map(_shape_of, plain)) == shapes
+            and list(map(_dtype_of, plain)) == dtypes
+            and list(map(torch.Tensor.stride, plain)) == strides
             # `.data = t.conj()`: the same view but a conjugate (or negative) bit, which bind() refuses.
             # (The C++ guard sees the bits as part of the dispatch keys.)
             and not any(map(torch.Tensor.is_conj, plain)) and not any(map(torch.Tensor.is_neg, plain)))
@@ -570,16 +577,20 @@ _cache: "OrderedDict[tuple[Any, ...], TargetPlan]" = OrderedDict()
 _cache_lock = _fork.new_lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
 # append here; the cache itself is pruned at the next lookup, under the lock).
-_dead_keys: list[tuple[Any, ...]] = []
+_dead_keys: list[tuple[tuple[Any, ...], "weakref.ref[TargetPlan]"]] = []
 
 
-def _forget(key: tuple[Any, ...]) -> None:
-    _dead_keys.append(key)
+def _forget(key: tuple[Any, ...], plan: "weakref.ref[TargetPlan]") -> None:
+    _dead_keys.append((key, plan))
 
 
 def _prune() -> None:
+    # Only the plan whose tensor died: its key (ids) may already be another plan's, of new tensors at the
+    # dead ones' ids, when the callback runs late (a collected cycle).
     while _dead_keys:
-        _cache.pop(_dead_keys.pop(), None)
+        key, plan = _dead_keys.pop()
+        if _cache.get(key) is plan():
+            _cache.pop(key, None)
 
 
 _stats = {"hits": 0, "misses": 0}
@@ -601,14 +612,14 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
         if plan is not None and (not plan.released or plan.offloaded is not None):
             return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
     start = time.perf_counter()
-    bound = bind(named, nbytes_of)
+    bound = bind_lists(names, tensors, nbytes_of)
     _stats["misses"] += 1
     plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      len(bound.storages), (time.perf_counter() - start) * 1e3)
-    return Resolved(plan, _plain(tensors), bound.storages, False)
+    return Resolved(plan, _plain(tensors), bound.storages_read, False)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
@@ -708,12 +719,14 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
     if shard_info is not None:
         info = shard_info()
         if info is not None:
-            bound.layout = dataclasses.replace(bound.layout, shard_info=info)
+            bound.layout = bound.layout.with_shard_info(info)
     plain = _plain(tensors)
-    plan = TargetPlan(names, tensors, data_ptrs(plain), bound, plain)
-    # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering.
-    if (cache and all(plan.storage_ptrs[i] or not s.nbytes for i, s in enumerate(bound.layout.storages))
-            and all(st.nbytes() == s.nbytes for st, s in zip(bound.storages, bound.layout.storages))
+    plan = TargetPlan(names, tensors, bound, plain)
+    # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering. (A
+    # record read the sizes it holds; the Python bind may have had them overridden.)
+    layout_nbytes = bound.layout.storage_columns[1]
+    if (cache and all(itertools.compress(plan.storage_ptrs, layout_nbytes))
+            and (plan.record is not None or list(map(torch.UntypedStorage.nbytes, bound.storages)) == layout_nbytes)
             and extent_problem(bound.layout) is None):
         with _cache_lock:
             _prune()

@@ -53,15 +53,15 @@ class Snapshot:
 
     @property
     def num_storages(self) -> int:
-        return len(self._layout.storages)
+        return self._layout.num_storages
 
     @property
     def num_tensors(self) -> int:
-        return len(self._layout.tensors)
+        return self._layout.num_tensors
 
     @property
     def names(self) -> list[str]:
-        return [t.name for t in self._layout.tensors]
+        return list(self._layout.tensor_names)
 
     @property
     def include_grads(self) -> bool:

@@ -7,16 +7,17 @@ layouts (e.g. a model and its freshly built twin) can exchange snapshots.
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from . import torch_ext
 from ._errors import LayoutMismatchError, OffloadError
 
+_ext: Any = torch_ext.ext  # the torch-aware helper, or None (the Python bind)
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 # Storages are placed at 256-byte boundaries (what the copy engines like); small ones at 16 bytes so
 # thousands of tiny tensors do not waste the arena (16 bytes: one vector access of a gather kernel).
@@ -29,8 +30,7 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     name: str
     storage: int  # index into Layout.storages
     offset: int  # storage_offset, in elements
@@ -39,46 +39,181 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class StorageSpec:
+class StorageSpec(NamedTuple):
     name: str  # the first tensor that views it
     nbytes: int
     device: torch.device
     host_offset: int  # where it sits in the host region
 
 
-@dataclass(frozen=True)
-class Layout:
-    tensors: tuple[TensorSpec, ...]
-    storages: tuple[StorageSpec, ...]
-    host_bytes: int  # region size needed for all storages
-    # The strategy's shard layout (rank, world size, shard sizes and placements) as canonical JSON, for
-    # targets sharded by FSDP1/FSDP2/Megatron; None otherwise. Part of equality: a rank's snapshot only
-    # restores into the same rank of the same sharding.
-    shard_info: Optional[str] = None
+def device_index(device: torch.device) -> int:
+    """-1 for the CPU, else the CUDA device's index (the current device where it has none)."""
+    if device.type == "cpu":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
-    # Computed once per layout: layouts are cached and read on every call.
+
+_devices: dict[int, torch.device] = {}
+
+
+def index_device(index: int) -> torch.device:
+    """device_index()'s inverse."""
+    device = _devices.get(index)
+    if device is None:
+        device = _devices[index] = torch.device("cpu") if index < 0 else torch.device("cuda", index)
+    return device
+
+
+class Layout:
+    """How a target's tensors view its storages, and where the storages sit in the host region.
+
+    Held as columns (one list per field; a fresh bind in C++ fills them without a Python object per tensor);
+    `tensors` and `storages` give the same as TensorSpec/StorageSpec tuples, made when first read. Never
+    changed once made: layouts are cached and shared.
+    """
+
+    def __init__(self, tensors: Sequence[TensorSpec] = (), storages: Sequence[StorageSpec] = (), host_bytes: int = 0,
+                 shard_info: Optional[str] = None) -> None:
+        self.host_bytes = host_bytes  # region size needed for all storages
+        # The strategy's shard layout (rank, world size, shard sizes and placements) as canonical JSON, for
+        # targets sharded by FSDP1/FSDP2/Megatron; None otherwise. Part of equality: a rank's snapshot only
+        # restores into the same rank of the same sharding.
+        self.shard_info = shard_info
+        self._tensors: Optional[tuple[TensorSpec, ...]] = tuple(tensors)
+        self._storages: Optional[tuple[StorageSpec, ...]] = tuple(storages)
+        self._tensor_names: Optional[list[str]] = None
+        # Made from the specs when first asked for, or (from_columns) by a function of the layout's maker.
+        self._make_tensor_columns: Optional[Callable[[], tuple[list[Any], ...]]] = None
+        self._tensor_columns: Optional[tuple[list[Any], ...]] = None
+        self._storage_columns: Optional[tuple[list[str], list[int], list[int], list[int]]] = None
+        self._extent_problem: Optional[int] = None  # the first tensor past its storage; -1: none; None: unknown
+
+    @classmethod
+    def from_columns(cls, tensor_names: list[str], tensor_columns: Callable[[], tuple[list[Any], ...]],
+                     storage_columns: tuple[list[str], list[int], list[int], list[int]], host_bytes: int,
+                     extent_problem: Optional[int] = None, shard_info: Optional[str] = None) -> "Layout":
+        """A layout from columns: the tensors' names and a function giving their (storage, offset, shape,
+        stride, dtype) lists (called once, when first needed); the storages' (name, nbytes, device index,
+        host offset) lists. None of them may be changed afterwards."""
+        layout = cls((), (), host_bytes, shard_info)
+        layout._tensors = layout._storages = None
+        layout._tensor_names, layout._make_tensor_columns = tensor_names, tensor_columns
+        layout._storage_columns = storage_columns
+        layout._extent_problem = extent_problem
+        return layout
+
+    def with_shard_info(self, shard_info: Optional[str]) -> "Layout":
+        """The same layout with another shard layout."""
+        other = copy.copy(self)
+        other.shard_info = shard_info
+        return other
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        if self._tensors is None:
+            self._tensors = tuple(map(TensorSpec, self.tensor_names, *self.tensor_columns()))
+        return self._tensors
+
+    @property
+    def storages(self) -> tuple[StorageSpec, ...]:
+        if self._storages is None:
+            names, nbytes, devices, hosts = self.storage_columns
+            self._storages = tuple(map(StorageSpec, names, nbytes, map(index_device, devices), hosts))
+        return self._storages
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensor_names)
+
+    @property
+    def num_storages(self) -> int:
+        return len(self.storage_columns[0])
+
+    @property
+    def tensor_names(self) -> list[str]:
+        if self._tensor_names is None:
+            self._tensor_names = [t.name for t in self.tensors]
+        return self._tensor_names
+
+    def tensor_columns(self) -> tuple[list[Any], ...]:
+        """(storage index, offset, shape, stride, dtype) of each tensor, one list each."""
+        if self._tensor_columns is None:
+            if self._make_tensor_columns is not None:
+                self._tensor_columns = tuple(self._make_tensor_columns())
+            else:
+                specs = self.tensors
+                self._tensor_columns = ([t.storage for t in specs], [t.offset for t in specs], [t.shape for t in specs],
+                                        [t.stride for t in specs], [t.dtype for t in specs])
+        return self._tensor_columns
+
+    @property
+    def storage_columns(self) -> tuple[list[str], list[int], list[int], list[int]]:
+        """(name, nbytes, device index, host offset) of each storage, one list each."""
+        if self._storage_columns is None:
+            specs = self.storages
+            self._storage_columns = ([s.name for s in specs], [s.nbytes for s in specs],
+                                     [device_index(s.device) for s in specs], [s.host_offset for s in specs])
+        return self._storage_columns
+
     @cached_property
     def nbytes(self) -> int:
         """Payload: the sum of the storages' sizes."""
-        return sum(s.nbytes for s in self.storages)
+        return sum(self.storage_columns[1])
 
     @cached_property
     def devices(self) -> list[torch.device]:
-        return sorted({s.device for s in self.storages}, key=str)
+        return sorted(map(index_device, set(self.storage_columns[2])), key=str)
 
     @cached_property
     def has_grads(self) -> bool:
-        return any(t.name.endswith(".grad") for t in self.tensors)
+        return any(name.endswith(".grad") for name in self.tensor_names)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        if other is self:
+            return True
+        return (self.host_bytes == other.host_bytes and self.shard_info == other.shard_info
+                and self.tensor_names == other.tensor_names and self.storage_columns == other.storage_columns
+                and self.tensor_columns() == other.tensor_columns())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Layout({self.num_tensors} tensors, {self.num_storages} storages, {self.nbytes} bytes, "
+                f"host_bytes={self.host_bytes}{', sharded' if self.shard_info is not None else ''})")
 
 
-@dataclass
 class Bound:
     """A layout together with the live storages of the target it was read from (same order)."""
 
-    layout: Layout
-    storages: list[torch.UntypedStorage]
-    keys: list[int]  # the storages' identities (StorageImpl addresses), stable while they live
+    def __init__(self, layout: Layout, storages: Optional[list[torch.UntypedStorage]], keys: list[int],
+                 record: Any = None, tensors: Optional[list[torch.Tensor]] = None,
+                 first_tensor: Optional[list[int]] = None) -> None:
+        self.layout = layout
+        self.keys = keys  # the storages' identities (StorageImpl addresses), stable while they live
+        # The helper's TargetRecord of the tensors, where the C++ bind read them.
+        self.record = record
+        self._storages = storages
+        self._tensors = tensors  # (plain; with first_tensor, reach the storages when asked for)
+        self.first_tensor = first_tensor
+
+    @property
+    def storages(self) -> list[torch.UntypedStorage]:
+        if self._storages is None:
+            tensors = self._tensors
+            self._storages = [tensors[i].untyped_storage() for i in self.first_tensor]
+        return self._storages
+
+    @property
+    def storages_read(self) -> Optional[list[torch.UntypedStorage]]:
+        """The storages where the bind read them already, else None (not made just for this)."""
+        return self._storages
+
+    def storage(self, i: int) -> torch.UntypedStorage:
+        if self._storages is not None:
+            return self._storages[i]
+        return self._tensors[self.first_tensor[i]].untyped_storage()
 
 
 # Tensor types whose own storage holds their data (anything else, e.g. a DTensor, is unwrapped first).
@@ -133,14 +268,33 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
 
     nbytes_of overrides a storage's size by its key (offloaded storages have 0 bytes on the device).
     """
+    names = getattr(named, "names", None)
+    if names is not None:  # adapters.Named: already two lists
+        return bind_lists(names, named.tensors, nbytes_of)  # type: ignore[attr-defined]
+    return bind_lists([n for n, _ in named], [t for _, t in named], nbytes_of)
+
+
+def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optional[dict[int, int]] = None) -> Bound:
+    """bind() of names and tensors given as two lists (never changed afterwards: the layout keeps them)."""
+    ext = _ext
+    if ext is not None and nbytes_of is None and type(names) is list and type(tensors) is list:
+        # One C++ pass where every tensor is a plain one under a distinct name (else the loop below, which
+        # also words what is wrong). Its tensor columns are made from the record when someone reads them.
+        found = ext.bind(names, tensors, _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES)
+        if found is not None:
+            record, first, nbytes, devices, hosts, host_bytes, extent = found
+            layout = Layout.from_columns(names, record.tensor_columns,
+                                         (list(map(names.__getitem__, first)), nbytes, devices, hosts),
+                                         host_bytes, extent)
+            return Bound(layout, None, record.keys(), record=record, tensors=tensors, first_tensor=first)
     seen_names: set[str] = set()
     index_of: dict[int, int] = {}
     storages: list[torch.UntypedStorage] = []
     keys: list[int] = []
     specs: list[StorageSpec] = []
-    tensors: list[TensorSpec] = []
+    specs_of_tensors: list[TensorSpec] = []
     host = 0
-    for name, raw in named:
+    for name, raw in zip(names, tensors):
         if name in seen_names:
             raise OffloadError(f"duplicate tensor name {name!r} in target")
         seen_names.add(name)
@@ -159,27 +313,40 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
             host += nbytes
             storages.append(storage)
             keys.append(key)
-        tensors.append(TensorSpec(name, idx, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype))
-    return Bound(Layout(tuple(tensors), tuple(specs), host), storages, keys)
+        specs_of_tensors.append(TensorSpec(name, idx, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()),
+                                           t.dtype))
+    if len(names) != len(tensors):
+        raise OffloadError(f"{len(names)} names for {len(tensors)} tensors")
+    return Bound(Layout(specs_of_tensors, specs, host), storages, keys)
+
+
+def _extent_bytes(offset: int, shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    if not all(shape):
+        return 0
+    return (offset + sum((d - 1) * st for d, st in zip(shape, stride)) + 1) * itemsize
 
 
 def tensor_extent_bytes(t: TensorSpec) -> int:
     """Bytes of its storage a view reaches (0 for an empty tensor)."""
-    if not all(t.shape):
-        return 0
-    return (t.offset + sum((d - 1) * st for d, st in zip(t.shape, t.stride)) + 1) * t.dtype.itemsize
+    return _extent_bytes(t.offset, t.shape, t.stride, t.dtype.itemsize)
 
 
 def extent_problem(layout: Layout) -> Optional[str]:
     """Why a tensor reaches past its storage (memory released by someone else, e.g. another offload tool's
-    resize_(0), which a snapshot would silently miss), or None."""
-    for t in layout.tensors:
-        need = tensor_extent_bytes(t)
-        have = layout.storages[t.storage].nbytes
-        if need > have:
-            return (f"{t.name}: its storage holds {have} bytes but the tensor needs {need}: its memory was "
-                    "released outside gpu_offload (another offload tool?); bring it back first")
-    return None
+    resize_(0), which a snapshot would silently miss), or None. (Found once per layout.)"""
+    first = layout._extent_problem
+    storage, offset, shape, stride, dtype = layout.tensor_columns() if first is None or first >= 0 else ((),) * 5
+    have = layout.storage_columns[1]
+    if first is None:
+        first = next((i for i, need in enumerate(map(_extent_bytes, offset, shape, stride,
+                                                     [d.itemsize for d in dtype]))
+                      if need > have[storage[i]]), -1)
+        layout._extent_problem = first
+    if first < 0:
+        return None
+    need = _extent_bytes(offset[first], shape[first], stride[first], dtype[first].itemsize)
+    return (f"{layout.tensor_names[first]}: its storage holds {have[storage[first]]} bytes but the tensor needs "
+            f"{need}: its memory was released outside gpu_offload (another offload tool?); bring it back first")
 
 
 def _first_difference(a: object, b: object, path: str = "") -> str:

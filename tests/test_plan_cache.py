@@ -121,3 +121,134 @@ def test_a_guard_that_answers_false_falls_back_to_the_plain_check(arena):
     for _ in range(3):
         go.snapshot(target, arena=arena).free()
     assert _hits() == hits + 3
+
+
+# -- the C++ bind (the helper's TargetRecord.bind) against the Python one ------------------------------------
+
+def _both_binds(monkeypatch, names, tensors):
+    from gpu_offload import storages
+    if storages._ext is None:
+        pytest.skip("the C++ bind is the helper's")
+    fast = storages.bind_lists(list(names), list(tensors))
+    with monkeypatch.context() as m:
+        m.setattr(storages, "_ext", None)
+        slow = storages.bind_lists(list(names), list(tensors))
+    return fast, slow
+
+
+def _awkward_target() -> dict[str, torch.Tensor]:
+    base = torch.arange(64, dtype=torch.float32)
+    big = torch.zeros(70_000 // 4)  # past 64 KiB: aligned to 256 bytes in the host region
+    lin = torch.nn.Linear(3, 5)
+    return {
+        "base": base, "narrow": base[5:17], "strided": base[1::3], "t": base[:60].view(6, 10).t(),
+        "as_int": base.view(torch.int32)[2:9], "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 3), "empty_view": base[64:], "bool": torch.ones(3, dtype=torch.bool),
+        "small": torch.ones(5, dtype=torch.int8), "big": big, "big_tail": big[-7:], "cplx": torch.zeros(4, dtype=torch.complex64),
+        "w": lin.weight, "tied": lin.weight, "b": lin.bias, "expanded": torch.ones(1, 4).expand(3, 4),
+        "late": torch.ones(9, dtype=torch.bfloat16),
+    }
+
+
+def test_the_cpp_bind_reads_what_the_python_bind_reads(monkeypatch):
+    # Views at offsets, strides, a transposed view, a dtype view, a 0-dim and empty tensors, tied weights, an
+    # expanded (stride 0) view, sizes on both sides of the 64 KiB alignment step, several dtypes.
+    target = _awkward_target()
+    fast, slow = _both_binds(monkeypatch, target.keys(), target.values())
+    assert fast.record is not None and slow.record is None  # (each took its own way)
+    assert fast.layout == slow.layout and slow.layout == fast.layout
+    assert fast.layout.tensors == slow.layout.tensors and fast.layout.storages == slow.layout.storages
+    assert fast.layout.host_bytes == slow.layout.host_bytes and fast.keys == slow.keys
+    assert [s.data_ptr() for s in fast.storages] == [s.data_ptr() for s in slow.storages]
+    assert fast.layout.nbytes == slow.layout.nbytes and fast.layout.devices == slow.layout.devices
+    from gpu_offload.storages import extent_problem
+    assert extent_problem(fast.layout) is None and extent_problem(slow.layout) is None
+
+
+def test_the_cpp_bind_finds_a_tensor_past_its_storage_as_the_python_one_does(monkeypatch):
+    from gpu_offload.storages import extent_problem
+    a, b = torch.ones(8), torch.ones(16)
+    b.untyped_storage().resize_(24)  # (released by someone else down to 6 elements)
+    fast, slow = _both_binds(monkeypatch, ["a", "b"], [a, b])
+    assert fast.record is not None
+    assert extent_problem(fast.layout) == extent_problem(slow.layout)
+    assert "b: its storage holds 24 bytes but the tensor needs 64" in extent_problem(fast.layout)
+
+
+@pytest.mark.parametrize("case", ["duplicate", "subclass", "meta", "conj", "neg", "quantized", "not_str", "nested"])
+def test_what_the_cpp_bind_does_not_take_the_python_bind_decides(monkeypatch, case):
+    from gpu_offload import OffloadError, storages
+    if storages._ext is None:
+        pytest.skip("the C++ bind is the helper's")
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.ones(4)
+    names, tensors = ["a", "b"], [x, torch.ones(2)]
+    if case == "duplicate":
+        names = ["a", "a"]
+    elif case == "subclass":
+        tensors[1] = torch.ones(2).as_subclass(Sub)
+    elif case == "meta":
+        tensors[1] = torch.ones(2, device="meta")
+    elif case == "conj":
+        tensors[1] = torch.ones(2, dtype=torch.complex64).conj()
+    elif case == "neg":
+        tensors[1] = torch.ones(2, dtype=torch.complex64).conj().imag
+    elif case == "quantized":
+        tensors[1] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    elif case == "not_str":
+        names = ["a", 7]
+    elif case == "nested":
+        tensors[1] = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert storages._ext.bind(names, tensors, 256, 16, 65536) is None  # (not taken: nothing half-read)
+    if case in ("subclass", "not_str"):
+        bound = storages.bind_lists(names, tensors)
+        assert bound.record is None and bound.layout.num_tensors == 2
+        return
+    with pytest.raises(OffloadError) as fast:
+        storages.bind_lists(names, tensors)
+    with monkeypatch.context() as m:
+        m.setattr(storages, "_ext", None)
+        with pytest.raises(OffloadError) as slow:
+            storages.bind_lists(names, tensors)
+    assert str(fast.value) == str(slow.value)
+
+
+def test_a_layout_from_the_cpp_bind_is_read_lazily_and_never_changes(monkeypatch):
+    # Its tensor columns come from the record when first read, and stay as they were bound even after the
+    # tensors change (the record's facts are the bind's).
+    target = _awkward_target()
+    fast, slow = _both_binds(monkeypatch, target.keys(), target.values())
+    layout = fast.layout
+    assert layout._tensor_columns is None and layout._tensors is None  # (nothing made yet)
+    target["base"].data = torch.zeros(3)
+    with torch.no_grad():
+        target["w"].t_()
+    assert target["w"].stride() == (1, 3)
+    assert layout.tensors == slow.layout.tensors
+    snap_names = layout.tensor_names
+    assert snap_names == list(target) and layout.has_grads is False
+
+
+def test_a_late_callback_of_a_dead_plan_does_not_drop_the_plan_now_at_its_key(arena):
+    # A plan is keyed by its tensors' ids; when they die, new tensors may get the same ids and a new plan the
+    # same key before the old plan's weakref callback runs (a cycle collected later). That callback must
+    # drop only its own plan.
+    import weakref
+    ts = [torch.ones(3), torch.ones(4)]
+    go.snapshot(ts, arena=arena).free()
+    names, tensors = plan._split(go.adapters.named_tensors(ts))
+    live = plan.lookup(names, tensors)
+    other = [torch.ones(2)]
+    go.snapshot(other, arena=arena).free()
+    stale = plan.lookup(*plan._split(go.adapters.named_tensors(other)))
+    plan._forget(live.key, weakref.ref(stale))  # (as if a dead plan had had live's key)
+    hits = _hits()
+    go.snapshot(ts, arena=arena).free()
+    assert _hits() == hits + 1
+    plan._forget(live.key, weakref.ref(live))  # its own callback does drop it
+    hits = _hits()
+    go.snapshot(ts, arena=arena).free()
+    assert _hits() == hits

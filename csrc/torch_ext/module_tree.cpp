@@ -19,6 +19,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -66,11 +68,9 @@ const char* const kMethodNames[4] = {"named_modules", "named_parameters", "named
 struct Interned {
   PyObject* parts[3];
   PyObject* methods[4];
-  PyObject* dot;
   Interned() {
     for (int i = 0; i < 3; ++i) parts[i] = PyUnicode_InternFromString(kPartNames[i]);
     for (int i = 0; i < 4; ++i) methods[i] = PyUnicode_InternFromString(kMethodNames[i]);
-    dot = PyUnicode_InternFromString(".");
   }
 };
 
@@ -210,12 +210,23 @@ class Builder {
   }
 
   py::object join(PyObject* prefix, PyObject* name) {
-    if (PyUnicode_GET_LENGTH(prefix) == 0) return py::reinterpret_borrow<py::object>(name);
-    PyObject* dotted = PyUnicode_Concat(prefix, interned().dot);
-    if (dotted == nullptr) throw py::error_already_set();
-    PyObject* full = PyUnicode_Concat(dotted, name);
-    Py_DECREF(dotted);
+    // "prefix.name" in one allocation (two PyUnicode_Concat calls made a string each; a traversal makes
+    // one name per module and per tensor).
+    const Py_ssize_t a = PyUnicode_GET_LENGTH(prefix), b = PyUnicode_GET_LENGTH(name);
+    if (a == 0) return py::reinterpret_borrow<py::object>(name);
+    const Py_UCS4 widest = std::max(PyUnicode_MAX_CHAR_VALUE(prefix), PyUnicode_MAX_CHAR_VALUE(name));
+    PyObject* full = PyUnicode_New(a + 1 + b, widest);
     if (full == nullptr) throw py::error_already_set();
+    if (widest < 128) {  // ASCII, the usual case: plain bytes
+      char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
+      std::memcpy(out, PyUnicode_1BYTE_DATA(prefix), static_cast<size_t>(a));
+      out[a] = '.';
+      std::memcpy(out + a + 1, PyUnicode_1BYTE_DATA(name), static_cast<size_t>(b));
+    } else if (PyUnicode_CopyCharacters(full, 0, prefix, 0, a) < 0 || PyUnicode_WriteChar(full, a, '.') < 0 ||
+               PyUnicode_CopyCharacters(full, a + 1, name, 0, b) < 0) {
+      Py_DECREF(full);
+      throw py::error_already_set();
+    }
     return py::reinterpret_steal<py::object>(full);
   }
 

@@ -14,12 +14,14 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "torch_ext.hpp"
@@ -86,32 +88,108 @@ void resize_empty(c10::StorageImpl* s, size_t nbytes, bool through_allocator = f
 
 bool one_pass_device(const c10::Device& device) { return device.is_cpu() || device.is_cuda(); }
 
+// Storage -> index, open addressing: a record is made on every fresh bind, and a node-based map's allocation
+// per storage was most of its cost.
+class StorageIndex {
+ public:
+  explicit StorageIndex(size_t expected) {
+    int bits = 4;
+    while ((size_t{1} << bits) < 2 * expected) ++bits;
+    slots_.assign(size_t{1} << bits, {nullptr, 0});
+    mask_ = slots_.size() - 1;
+    shift_ = 64 - bits;
+  }
+  // The index of `s`, or `fresh` (inserted) when it has none yet.
+  std::pair<int32_t, bool> find_or_insert(c10::StorageImpl* s, int32_t fresh) {
+    // Fibonacci hashing: the product's top bits.
+    size_t i = static_cast<size_t>((reinterpret_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ull) >> shift_);
+    while (slots_[i].first != nullptr) {
+      if (slots_[i].first == s) return {slots_[i].second, false};
+      i = (i + 1) & mask_;
+    }
+    slots_[i] = {s, fresh};
+    return {fresh, true};
+  }
+
+ private:
+  std::vector<std::pair<c10::StorageImpl*, int32_t>> slots_;
+  size_t mask_;
+  int shift_;
+};
+
+PyObject* new_int(int64_t v) { return PyLong_FromLongLong(v); }
+
+// A list of n new references made by make(i) (nullptr from make: the Python error stands).
+template <typename F>
+py::list new_list(size_t n, F&& make) {
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* item = make(i);
+    if (item == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
+// Whether `names` is a list of distinct exact strs as long as the tensors (else the Python bind decides).
+bool distinct_names(py::handle names, Py_ssize_t n) {
+  if (!PyList_CheckExact(names.ptr()) || PyList_GET_SIZE(names.ptr()) != n) return false;
+  PyObject** items = reinterpret_cast<PyListObject*>(names.ptr())->ob_item;
+  size_t capacity = 16;
+  while (capacity < 2 * static_cast<size_t>(n)) capacity *= 2;
+  std::vector<PyObject*> slots(capacity, nullptr);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* name = items[k];
+    if (!PyUnicode_CheckExact(name)) return false;
+    const Py_hash_t h = PyObject_Hash(name);  // (cached in the str)
+    if (h == -1) throw py::error_already_set();
+    size_t i = static_cast<size_t>(h) & (capacity - 1);
+    while (slots[i] != nullptr) {
+      if (slots[i] == name) return false;
+      const int same = PyUnicode_Compare(slots[i], name);
+      if (same == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (same == 0) return false;
+      i = (i + 1) & (capacity - 1);
+    }
+    slots[i] = name;
+  }
+  return true;
+}
+
 }  // namespace
 
 TargetRecord::TargetRecord(py::handle list) {
   Items items = items_of(list);
   tensors_.reserve(static_cast<size_t>(items.size));
-  std::unordered_map<c10::StorageImpl*, int32_t> index_of;
+  StorageIndex index_of(static_cast<size_t>(items.size));
+  constexpr Py_ssize_t kAhead = 6;  // (scattered objects: see check())
   for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + 2 * kAhead < items.size) __builtin_prefetch(items.data[i + 2 * kAhead]);
+    if (i + kAhead < items.size && plain_tensor(items.data[i + kAhead])) {
+      __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl());
+    }
     PyObject* obj = items.data[i];
     if (!plain_tensor(obj)) throw NotPlain("item " + std::to_string(i) + " is not a plain tensor");
     c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    // (What storages.check_tensor() refuses, the Python bind then says; a TargetRecord is only of what it
+    // accepts.)
     if (!impl->has_storage() || impl->layout() != c10::kStrided || impl->is_nested() ||
-        impl->has_symbolic_sizes_strides() || impl->is_conj() || impl->is_neg()) {
-      throw NotPlain("item " + std::to_string(i) + " has no plain strided storage (or a conjugate/negative bit)");
+        impl->has_symbolic_sizes_strides() || impl->is_conj() || impl->is_neg() || impl->is_quantized() ||
+        !one_pass_device(impl->device())) {
+      throw NotPlain("item " + std::to_string(i) + " has no plain strided CPU/CUDA storage (or a conjugate/negative bit)");
     }
     c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
-    auto [it, fresh] = index_of.emplace(s, static_cast<int32_t>(storages_.size()));
+    auto [index, fresh] = index_of.find_or_insert(s, static_cast<int32_t>(storages_.size()));
     if (fresh) {
       storages_.push_back({s, data_of(s), s->nbytes(), s->device(), s->resizable(), s->nbytes()});
       first_tensor_.push_back(static_cast<int32_t>(i));
-      if (s->nbytes() != 0) live_.push_back(it->second);
+      if (s->nbytes() != 0) live_.push_back(index);
     }
     TensorFacts t{};
     t.obj = obj;
     t.type = Py_TYPE(obj);
     t.impl = impl;
-    t.storage = it->second;
+    t.storage = index;
     t.first = fresh;
     t.offset = impl->storage_offset();
     t.dtype = impl->dtype();
@@ -121,6 +199,80 @@ TargetRecord::TargetRecord(py::handle list) {
     for (int64_t d : impl->strides()) dims_.push_back(d);
     tensors_.push_back(t);
   }
+}
+
+py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
+                              int64_t small_storage_bytes) {
+  std::unique_ptr<TargetRecord> record;
+  try {
+    record = std::make_unique<TargetRecord>(tensors);
+  } catch (const NotPlain&) {
+    return py::none();
+  }
+  const TargetRecord& r = *record;
+  const size_t n = r.tensors_.size(), num_storages = r.storages_.size();
+  if (!distinct_names(names, static_cast<Py_ssize_t>(n))) return py::none();
+  // Host offsets as storages.bind() lays them out; the first tensor (if any) that reaches past its storage.
+  std::vector<int64_t> host_offsets(num_storages);
+  int64_t host = 0;
+  for (size_t j = 0; j < num_storages; ++j) {
+    const int64_t nbytes = static_cast<int64_t>(r.storages_[j].nbytes);
+    const int64_t to = nbytes >= small_storage_bytes ? large_alignment : small_alignment;
+    host = (host + to - 1) / to * to;
+    host_offsets[j] = host;
+    host += nbytes;
+  }
+  int64_t extent_problem = -1;
+  for (size_t i = 0; i < n && extent_problem < 0; ++i) {
+    const TensorFacts& t = r.tensors_[i];
+    const int64_t* dims = r.dims_.data() + t.dims_at;
+    __int128 last = t.offset;
+    bool empty = false;
+    for (int32_t d = 0; d < t.dim; ++d) {
+      if (dims[d] == 0) empty = true;
+      last += static_cast<__int128>(dims[d] - 1) * dims[t.dim + d];
+    }
+    const __int128 need = empty ? 0 : (last + 1) * static_cast<__int128>(t.dtype.itemsize());
+    if (need > static_cast<__int128>(r.storages_[static_cast<size_t>(t.storage)].nbytes)) {
+      extent_problem = static_cast<int64_t>(i);
+    }
+  }
+  const auto& ss = r.storages_;
+  py::list first = new_list(num_storages, [&](size_t j) { return new_int(r.first_tensor_[j]); });
+  py::list nbytes = new_list(num_storages, [&](size_t j) { return new_int(static_cast<int64_t>(ss[j].nbytes)); });
+  py::list devices = new_list(num_storages, [&](size_t j) { return new_int(ss[j].device.is_cpu() ? -1 : ss[j].device.index()); });
+  py::list hosts = new_list(num_storages, [&](size_t j) { return new_int(host_offsets[j]); });
+  py::object owner = py::cast(record.release(), py::return_value_policy::take_ownership);
+  return py::make_tuple(owner, first, nbytes, devices, hosts, host, extent_problem);
+}
+
+py::tuple TargetRecord::tensor_columns() const {
+  const size_t n = tensors_.size();
+  auto dims_tuple = [this](const TensorFacts& t, int32_t from) -> PyObject* {
+    PyObject* out = PyTuple_New(t.dim);
+    if (out == nullptr) return nullptr;
+    const int64_t* dims = dims_.data() + t.dims_at + from;
+    for (int32_t d = 0; d < t.dim; ++d) {
+      PyObject* v = new_int(dims[d]);
+      if (v == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(out, d, v);
+    }
+    return out;
+  };
+  const auto& ts = tensors_;
+  py::list storage = new_list(n, [&](size_t i) { return new_int(ts[i].storage); });
+  py::list offsets = new_list(n, [&](size_t i) { return new_int(ts[i].offset); });
+  py::list shapes = new_list(n, [&](size_t i) { return dims_tuple(ts[i], 0); });
+  py::list strides = new_list(n, [&](size_t i) { return dims_tuple(ts[i], ts[i].dim); });
+  py::list dtypes = new_list(n, [&](size_t i) -> PyObject* {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(c10::typeMetaToScalarType(ts[i].dtype)));
+    Py_XINCREF(dtype);
+    return dtype;
+  });
+  return py::make_tuple(storage, offsets, shapes, strides, dtypes);
 }
 
 bool TargetRecord::check(py::handle list) const {

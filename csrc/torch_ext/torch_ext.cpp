@@ -207,6 +207,8 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("storage_nbytes", &TargetRecord::storage_nbytes)
       .def("storage_data_ptrs", &TargetRecord::storage_data_ptrs)
       .def("first_tensor", &TargetRecord::first_tensor)
+      .def("tensor_columns", &TargetRecord::tensor_columns,
+           "(storage index, offset, shape, stride, dtype) of each tensor, as recorded.")
       .def("resize_live", &TargetRecord::resize_live, py::arg("tensors"), py::arg("release"),
            py::arg("refuse") = false,
            "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes; with "
@@ -234,6 +236,11 @@ PYBIND11_MODULE(_torch_ext, m) {
       },
       py::arg("tensors"),
       "A TargetRecord of a list of plain tensors (exact torch.Tensor/Parameter with strided storage), or None.");
+  m.def("bind", &TargetRecord::bind, py::arg("names"), py::arg("tensors"), py::arg("large_alignment"),
+        py::arg("small_alignment"), py::arg("small_storage_bytes"),
+        "storages.bind() of plain tensors in one pass: (record, each storage's first tensor, nbytes, device index "
+        "and host offset, the host bytes, the first tensor reaching past its storage or -1), or None where the "
+        "Python bind must decide.");
   m.def("resize_storages", &resize_storages, py::arg("storages"), py::arg("nbytes"),
         py::arg("through_allocator") = false,
         "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "

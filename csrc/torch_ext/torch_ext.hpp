@@ -50,6 +50,15 @@ class StorageWatch;
 class TargetRecord {
  public:
   explicit TargetRecord(py::handle list);  // throws NotPlain
+  // storages.bind()'s pass for a list of plain tensors under distinct names: (record, then the layout's
+  // storage columns: each storage's first tensor, size, device index (-1: CPU) and host offset; the host bytes,
+  // and the first tensor reaching past its storage or -1), or None where the Python bind must decide (and
+  // word the error).
+  static py::object bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
+                         int64_t small_storage_bytes);
+  // The tensors as recorded: (storage index, offset, shape, stride, dtype) lists (a layout's tensor columns,
+  // made when someone reads them: they never change).
+  py::tuple tensor_columns() const;
   // Whether `list` holds the same tensor objects, each on the same storage, viewing it the same way, and
   // each storage still has the same memory, size and device.
   bool check(py::handle list) const;
