@@ -259,6 +259,22 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, std::vector<std::uintptr_t>, std::vector<std::size_t>, std::vector<std::size_t>, std::size_t>(),
            py::arg("device"), py::arg("device_ptrs"), py::arg("host_offsets"), py::arg("sizes"),
            py::arg("gather_max_bytes") = 0)
+      .def(
+          "with_device_ptrs",
+          [](const CopyPlan& plan, const py::buffer& ptrs) {
+            // A buffer of native uint64 addresses (e.g. the torch-aware helper's storage_data_ptrs_bytes()),
+            // not a list: no Python int per storage either way.
+            const py::buffer_info info = ptrs.request();
+            const std::size_t nbytes = static_cast<std::size_t>(info.size * info.itemsize);
+            if (info.ndim != 1 || info.strides[0] != info.itemsize || nbytes % sizeof(std::uintptr_t) != 0) {
+              throw py::value_error("with_device_ptrs: expected a contiguous buffer of 64-bit addresses");
+            }
+            std::vector<std::uintptr_t> addresses(nbytes / sizeof(std::uintptr_t));
+            if (nbytes != 0) std::memcpy(addresses.data(), info.ptr, nbytes);
+            return plan.with_device_ptrs(std::move(addresses));
+          },
+          py::arg("device_ptrs"),
+          "The same copies with other device addresses (one per copy, as a buffer of native 64-bit addresses).")
       .def_property_readonly("num_kernel_copies", &CopyPlan::num_kernel_copies)
       .def_property_readonly("gather_max_bytes", &CopyPlan::gather_max_bytes)
       .def_property_readonly("device", &CopyPlan::device)

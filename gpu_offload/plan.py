@@ -277,6 +277,7 @@ class TargetPlan:
         self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
             n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
+        self._rebase_from: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = _fork.new_lock()
@@ -378,6 +379,8 @@ class TargetPlan:
 
     def _forget_copies(self) -> None:
         with self._lock:
+            if self._copies is not None:
+                self._rebase_from = self._copies  # (the same copies at the storages' new addresses, next)
             self._copies = None
             self._remapped = {}
             self._split = {}
@@ -400,10 +403,10 @@ class TargetPlan:
     def copies(self, host_offsets: Optional[list[int]] = None) -> CopyPlans:
         """Plans for the layout's own host offsets, or for other offsets (restoring another layout's
         snapshot); both cached."""
-        if host_offsets is None or host_offsets == self.host_offsets:
+        if host_offsets is None or host_offsets is self.host_offsets or host_offsets == self.host_offsets:
             with self._lock:
                 if self._copies is None:
-                    self._copies = self._build(self.host_offsets)
+                    self._copies = self._rebased() or self._build(self.host_offsets)
                 return self._copies
         key = tuple(host_offsets)
         with self._lock:
@@ -428,6 +431,17 @@ class TargetPlan:
                          build_copies([entries[i] for i in waited]))
                 self._split = {waited: split}  # one: the buffers of a target do not change from call to call
             return split
+
+    def _rebased(self) -> Optional[CopyPlans]:
+        """The plans last built for the layout's own offsets, at the storages' new addresses (after a resize:
+        only the pointers change), or None. For a recorded target of one device whose storages all hold
+        memory: the addresses go from the record to the plan as one buffer, not a Python int each."""
+        old, self._rebase_from = self._rebase_from, None
+        if (old is None or self.record is None or len(old.groups) != 1 or self._groups[0][1] is not None
+                or old.groups[0][1].gather_max_bytes != (gather_max_bytes() if self._groups[0][0] >= 0 else 0)):
+            return None
+        device, copy_plan = old.groups[0]
+        return CopyPlans([(device, copy_plan.with_device_ptrs(self.record.storage_data_ptrs_bytes()))])
 
     def _build(self, host_offsets: list[int]) -> CopyPlans:
         # From the per-storage lists, without a tuple per storage (a target of one device whose storages

@@ -21,6 +21,12 @@ class CopyPlan {
   CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vector<std::size_t> host_offsets,
            std::vector<std::size_t> sizes, std::size_t gather_max_bytes = 0);
 
+  // The same copies from or to other device addresses (the storages were released and allocated again): the
+  // host offsets and sizes are kept, the pointers checked as the constructor checks them.
+  CopyPlan with_device_ptrs(std::vector<std::uintptr_t> device_ptrs) const {
+    return CopyPlan(device_, std::move(device_ptrs), host_offsets_, sizes_, gather_max_bytes_);
+  }
+
   int device() const { return device_; }
   std::size_t num_copies() const { return sizes_.size(); }
   std::size_t num_kernel_copies() const { return num_kernel_copies_; }

@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <memory>
@@ -365,6 +366,15 @@ py::list TargetRecord::storage_data_ptrs() const {
     out[j] = py::int_(reinterpret_cast<uintptr_t>(storages_[j].data));
   }
   return out;
+}
+
+py::bytes TargetRecord::storage_data_ptrs_bytes() const {
+  std::string out(storages_.size() * sizeof(uint64_t), '\0');
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    const uint64_t p = reinterpret_cast<uintptr_t>(storages_[j].data);
+    std::memcpy(&out[j * sizeof(uint64_t)], &p, sizeof(p));
+  }
+  return py::bytes(out);
 }
 
 py::list TargetRecord::first_tensor() const {

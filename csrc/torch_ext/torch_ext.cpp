@@ -206,6 +206,7 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("keys", &TargetRecord::keys)
       .def("storage_nbytes", &TargetRecord::storage_nbytes)
       .def("storage_data_ptrs", &TargetRecord::storage_data_ptrs)
+      .def("storage_data_ptrs_bytes", &TargetRecord::storage_data_ptrs_bytes)
       .def("first_tensor", &TargetRecord::first_tensor)
       .def("tensor_columns", &TargetRecord::tensor_columns,
            "(storage index, offset, shape, stride, dtype) of each tensor, as recorded.")

@@ -68,6 +68,7 @@ class TargetRecord {
   py::list keys() const;  // StorageImpl addresses, as storage._cdata
   py::list storage_nbytes() const;
   py::list storage_data_ptrs() const;
+  py::bytes storage_data_ptrs_bytes() const;  // the same as native uint64s (for CopyPlan.with_device_ptrs)
   py::list first_tensor() const;
   // The live storages (those that held memory when recorded), in order, reached through `list` and
   // checked to be the recorded ones (so held by the caller): resized to 0 (release) or back to their
