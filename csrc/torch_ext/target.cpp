@@ -200,6 +200,7 @@ TargetRecord::TargetRecord(py::handle list) {
     for (int64_t d : impl->strides()) dims_.push_back(d);
     tensors_.push_back(t);
   }
+  summarize();
 }
 
 py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
@@ -343,6 +344,7 @@ bool TargetRecord::refresh(py::handle list) {
     s.device = s.impl->device();
     s.resizable = s.impl->resizable();
   }
+  summarize();
   return true;
 }
 
@@ -383,18 +385,14 @@ py::list TargetRecord::first_tensor() const {
   return out;
 }
 
-bool TargetRecord::all_resizable() const {
+void TargetRecord::summarize() {
+  // (Read on every offload and reload: kept, not looped over each time. A storage's device never changes;
+  // its resizability is re-read by refresh() and compared by check().)
+  all_resizable_ = all_one_pass_ = true;
   for (const StorageFacts& s : storages_) {
-    if (!s.resizable) return false;
+    all_resizable_ = all_resizable_ && s.resizable;
+    all_one_pass_ = all_one_pass_ && one_pass_device(s.device);
   }
-  return true;
-}
-
-bool TargetRecord::all_resizable_in_one_pass() const {
-  for (const StorageFacts& s : storages_) {
-    if (!one_pass_device(s.device)) return false;
-  }
-  return true;
 }
 
 std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) const {
