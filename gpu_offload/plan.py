@@ -632,7 +632,7 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
-                     len(bound.storages), (time.perf_counter() - start) * 1e3)
+                     bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
     return Resolved(plan, _plain(tensors), bound.storages_read, False)
 
 
