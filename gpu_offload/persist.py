@@ -44,7 +44,8 @@ from ._errors import OffloadError
 from ._version import __version__
 from .arena import Arena, default_arena
 from .snapshot import Snapshot
-from .storages import _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES, Layout, StorageSpec, TensorSpec, _align
+from .storages import (_LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES, Layout, StorageSpec, TensorSpec,
+                       _align, tensor_extent_bytes)
 
 logger = logging.getLogger("gpu_offload")
 
@@ -550,12 +551,12 @@ def _parse_layout(text: Any) -> tuple[Layout, list[int], Optional[bool]]:
         if numel * dtype.itemsize > _INT64_MAX:  # torch's numel and nbytes are int64 (a stride-0 view may be huge)
             raise ValueError(f"{name}: shape {shape} of {dtype} spans {numel * dtype.itemsize} bytes, more than a "
                              "tensor can describe (2**63-1)")
+        spec = TensorSpec(name, index, offset, shape, stride, dtype)
         # The view must lie inside its storage, or Snapshot.tensors() would read past it.
-        if all(shape):
-            extent = (offset + sum((d - 1) * st for d, st in zip(shape, stride)) + 1) * dtype.itemsize
-            if extent > storages[index].nbytes:
-                raise ValueError(f"{name}: the view needs {extent} bytes, its storage has {storages[index].nbytes}")
-        tensors.append(TensorSpec(name, index, offset, shape, stride, dtype))
+        extent = tensor_extent_bytes(spec)
+        if extent > storages[index].nbytes:
+            raise ValueError(f"{name}: the view needs {extent} bytes, its storage has {storages[index].nbytes}")
+        tensors.append(spec)
     shard_info = doc.get("shard_info")
     if shard_info is not None:
         if not isinstance(shard_info, str):

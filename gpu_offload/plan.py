@@ -29,6 +29,7 @@ from ._ext import _C
 from .arena import _env_int
 from .storages import (PLAIN_TENSOR_TYPES, Bound, Layout, bind_lists, device_index, extent_problem, index_device,
                        unwrap)
+from .storages import split_named as _split
 
 _MAX_CACHED = 32
 _ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python checks)
@@ -719,13 +720,6 @@ def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
     on it needs no fresh bind."""
     names, tensors = _split(named)
     _new_plan(names, tensors, bound, shard_info, cache=True)
-
-
-def _split(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
-    names = getattr(named, "names", None)
-    if names is not None:  # adapters.Named: already two lists
-        return names, named.tensors  # type: ignore[attr-defined]
-    return [n for n, _ in named], [t for _, t in named]
 
 
 def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,

@@ -268,14 +268,21 @@ def bind(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int
 
     nbytes_of overrides a storage's size by its key (offloaded storages have 0 bytes on the device).
     """
+    return bind_lists(*split_named(named), nbytes_of)
+
+
+def split_named(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, tensors) of (name, tensor) pairs, as two lists."""
     names = getattr(named, "names", None)
     if names is not None:  # adapters.Named: already two lists
-        return bind_lists(names, named.tensors, nbytes_of)  # type: ignore[attr-defined]
-    return bind_lists([n for n, _ in named], [t for _, t in named], nbytes_of)
+        return names, named.tensors  # type: ignore[attr-defined]
+    return [n for n, _ in named], [t for _, t in named]
 
 
 def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optional[dict[int, int]] = None) -> Bound:
     """bind() of names and tensors given as two lists (never changed afterwards: the layout keeps them)."""
+    if len(names) != len(tensors):
+        raise OffloadError(f"{len(names)} names for {len(tensors)} tensors")
     ext = _ext
     if ext is not None and nbytes_of is None and type(names) is list and type(tensors) is list:
         # One C++ pass where every tensor is a plain one under a distinct name (else the loop below, which
@@ -315,8 +322,6 @@ def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optiona
             keys.append(key)
         specs_of_tensors.append(TensorSpec(name, idx, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()),
                                            t.dtype))
-    if len(names) != len(tensors):
-        raise OffloadError(f"{len(names)} names for {len(tensors)} tensors")
     return Bound(Layout(specs_of_tensors, specs, host), storages, keys)
 
 
@@ -334,19 +339,16 @@ def tensor_extent_bytes(t: TensorSpec) -> int:
 def extent_problem(layout: Layout) -> Optional[str]:
     """Why a tensor reaches past its storage (memory released by someone else, e.g. another offload tool's
     resize_(0), which a snapshot would silently miss), or None. (Found once per layout.)"""
-    first = layout._extent_problem
-    storage, offset, shape, stride, dtype = layout.tensor_columns() if first is None or first >= 0 else ((),) * 5
     have = layout.storage_columns[1]
-    if first is None:
-        first = next((i for i, need in enumerate(map(_extent_bytes, offset, shape, stride,
-                                                     [d.itemsize for d in dtype]))
-                      if need > have[storage[i]]), -1)
-        layout._extent_problem = first
-    if first < 0:
+    if layout._extent_problem is None:
+        storage, offset, shape, stride, dtype = layout.tensor_columns()
+        needs = map(_extent_bytes, offset, shape, stride, [d.itemsize for d in dtype])
+        layout._extent_problem = next((i for i, need in enumerate(needs) if need > have[storage[i]]), -1)
+    if layout._extent_problem < 0:
         return None
-    need = _extent_bytes(offset[first], shape[first], stride[first], dtype[first].itemsize)
-    return (f"{layout.tensor_names[first]}: its storage holds {have[storage[first]]} bytes but the tensor needs "
-            f"{need}: its memory was released outside gpu_offload (another offload tool?); bring it back first")
+    t = layout.tensors[layout._extent_problem]
+    return (f"{t.name}: its storage holds {have[t.storage]} bytes but the tensor needs {tensor_extent_bytes(t)}: "
+            "its memory was released outside gpu_offload (another offload tool?); bring it back first")
 
 
 def _first_difference(a: object, b: object, path: str = "") -> str:
