@@ -353,7 +353,8 @@ class TargetPlan:
     @property
     def resizes_in_one_pass(self) -> bool:
         """Whether resize() is one C++ pass (the helper recorded the target, every storage a CPU or CUDA one)."""
-        return self.record is not None and self.record.all_resizable_in_one_pass
+        # (A record admits only CPU and CUDA tensors, and a storage's device never changes.)
+        return self.record is not None
 
     def watch(self, resolved: "Resolved") -> Any:
         """A StorageWatch over the live storages (the helper's, from the record), or None."""

@@ -386,13 +386,10 @@ py::list TargetRecord::first_tensor() const {
 }
 
 void TargetRecord::summarize() {
-  // (Read on every offload and reload: kept, not looped over each time. A storage's device never changes;
-  // its resizability is re-read by refresh() and compared by check().)
-  all_resizable_ = all_one_pass_ = true;
-  for (const StorageFacts& s : storages_) {
-    all_resizable_ = all_resizable_ && s.resizable;
-    all_one_pass_ = all_one_pass_ && one_pass_device(s.device);
-  }
+  // (Read on every offload: kept, not looped over each time. Resizability is re-read by refresh() and
+  // compared by check().)
+  all_resizable_ = true;
+  for (const StorageFacts& s : storages_) all_resizable_ = all_resizable_ && s.resizable;
 }
 
 std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) const {

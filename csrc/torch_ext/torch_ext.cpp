@@ -223,7 +223,6 @@ PYBIND11_MODULE(_torch_ext, m) {
            "A StorageWatch over the recorded live storages of `tensors`.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
-      .def_property_readonly("all_resizable_in_one_pass", &TargetRecord::all_resizable_in_one_pass)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)
       .def_property_readonly("num_storages", &TargetRecord::num_storages);
   m.def(

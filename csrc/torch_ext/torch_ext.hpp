@@ -84,7 +84,6 @@ class TargetRecord {
   StorageWatch* watch_live(py::handle list) const;
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const { return all_resizable_; }
-  bool all_resizable_in_one_pass() const { return all_one_pass_; }  // every storage a CPU or CUDA one (what resize_live handles)
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_storages() const { return storages_.size(); }
 
@@ -109,7 +108,7 @@ class TargetRecord {
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
-  void summarize();  // all_resizable_ and all_one_pass_ from the storages' facts
+  void summarize();  // all_resizable_ from the storages' facts
   void resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse);
   std::vector<TensorFacts> tensors_;
   std::vector<int64_t> dims_;
@@ -122,7 +121,6 @@ class TargetRecord {
   py::list messages_;
   std::vector<std::string> parked_;
   bool all_resizable_ = true;
-  bool all_one_pass_ = true;
 };
 
 // Weak references to storages: which of them died, without a Python object or callback per storage.
