@@ -171,6 +171,31 @@ def test_a_module_traversal_is_never_served_stale(arena, monkeypatch, change):
     assert [(n, id(t)) for n, t in named_tensors(m)] == truth  # and again, once recorded anew
 
 
+def _wide_model() -> torch.nn.Module:
+    # More children per module than the recorded traversal reads ahead (it asks for the next children's
+    # objects while visiting one), with holes, buffers, a nested child and a tied weight among them.
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=i % 3 == 0) for i in range(40))
+    experts[7] = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    experts[11].weight = experts[4].weight
+    experts._modules["hole"] = None
+    experts.register_module("after_hole", torch.nn.Linear(2, 1))
+    return torch.nn.Sequential(experts, torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("at", [0, 5, 7, 33, 39])
+def test_a_wide_module_is_read_as_torch_reads_it_and_a_change_at_any_child_is_seen(arena, at):
+    m = _wide_model()
+    for _ in range(2):  # recorded, then served from the record
+        truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+    m[0][at] = torch.nn.Linear(2, 2)
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

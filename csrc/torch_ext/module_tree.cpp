@@ -137,28 +137,51 @@ class Builder {
       PyErr_Clear();
       return false;
     }
-    if (shadows_methods(*dict_ptr)) return false;
-    ModuleFacts facts{module, type, tag, *dict_ptr, version_of(*dict_ptr), {}, {}};
+    PyObject* dict = *dict_ptr;
+    py::object hold_dict = py::reinterpret_borrow<py::object>(dict);  // (for the version check below)
+    ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}};
+    // The three parts first: their tables are asked for while the methods are looked up.
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = PyDict_GetItemWithError(*dict_ptr, interned().parts[p]);  // borrowed
+      PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
       if (part == nullptr || !PyDict_CheckExact(part)) {  // an OrderedDict's order is not the table's
         PyErr_Clear();
         return false;
       }
       facts.parts[p] = part;
       facts.part_versions[p] = version_of(part);
+      prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
     }
+    if (shadows_methods(dict)) return false;
+    // (Nothing in a str-keyed __dict__'s lookups runs Python code; should something have changed it, the
+    // parts found before are not trusted.)
+    if (version_of(dict) != facts.dict_version) return false;
     tree_.modules.push_back(facts);
     prefixes_.push_back(py::reinterpret_borrow<py::object>(prefix));
     if (!members(facts.parts[0], prefix, param_names_, params_)) return false;
+    // The children, in order, each held (a reference taken) until the siblings before it are visited.
+    const size_t first_kid = kids_.size();
     Py_ssize_t pos = 0;
     PyObject *name, *child;
     while (PyDict_Next(facts.parts[2], &pos, &name, &child)) {
       if (child == Py_None) continue;
       if (!PyUnicode_CheckExact(name)) return false;
-      py::object child_prefix = join(prefix, name);
-      if (!visit(child, child_prefix.ptr(), depth + 1, false)) return false;
+      kids_.emplace_back(name, child);
     }
+    const size_t num_kids = kids_.size() - first_kid;
+    for (size_t k = 0; k < num_kids; ++k) {
+      if (k + 8 < num_kids) __builtin_prefetch(kids_[first_kid + k + 8].second, 1);
+      held_.push_back(py::reinterpret_borrow<py::object>(kids_[first_kid + k].first));
+      held_.push_back(py::reinterpret_borrow<py::object>(kids_[first_kid + k].second));
+    }
+    for (size_t k = 0; k < num_kids; ++k) {
+      warm_ahead(first_kid, num_kids, k);
+      // (kids_ may grow, and move, while a child is visited: copied out first.)
+      const auto [kid_name, kid] = kids_[first_kid + k];
+      py::object child_prefix = join(prefix, kid_name);
+      if (!visit(kid, child_prefix.ptr(), depth + 1, false)) return false;
+    }
+    kids_.resize(first_kid);
+    held_.resize(held_.size() - 2 * num_kids);
     return true;
   }
 
@@ -173,24 +196,74 @@ class Builder {
   py::object result() {
     const size_t num_params = params_.size();
     py::list names(num_params + buffers_.size()), tensors(num_params + buffers_.size());
-    for (size_t i = 0; i < num_params; ++i) {
-      names[i] = param_names_[i];
-      tensors[i] = params_[i];
-    }
-    for (size_t i = 0; i < buffers_.size(); ++i) {
-      names[num_params + i] = buffer_names_[i];
-      tensors[num_params + i] = buffers_[i];
-    }
     tree_.num_tensors = num_params + buffers_.size();
     tree_.num_params = num_params;
     tree_.tensors.reserve(tree_.num_tensors);
     for (const py::object& t : params_) tree_.tensors.push_back(t.ptr());
     for (const py::object& t : buffers_) tree_.tensors.push_back(t.ptr());
+    // The lists take the builder's references (no second reference taken and the first dropped).
+    auto give = [](py::list& list, size_t at, std::vector<py::object>& from) {
+      for (size_t i = 0; i < from.size(); ++i) PyList_SET_ITEM(list.ptr(), at + i, from[i].release().ptr());
+      from.clear();
+    };
+    give(names, 0, param_names_);
+    give(names, num_params, buffer_names_);
+    give(tensors, 0, params_);
+    give(tensors, num_params, buffers_);
     auto* tree = new ModuleTree(std::move(tree_));
     return py::make_tuple(py::cast(tree, py::return_value_policy::take_ownership), names, tensors, num_params);
   }
 
  private:
+  // Memory-bound (a module, its __dict__ and three dicts, each scattered, then each dict's table): while
+  // child k is visited, the objects of the next children are asked for in stages, each a few children
+  // ahead of the one that reads what it asked for. Prefetches only: visit() reads and checks everything
+  // itself, so a hint that went wrong costs a miss, nothing else.
+  void warm_ahead(size_t first, size_t n, size_t k) {
+    constexpr size_t kObject = 8, kDict = 6, kDictTable = 4, kParts = 2;
+    auto kid = [&](size_t ahead) { return kids_[first + k + ahead].second; };
+    if (k + kObject < n) {
+      char* object = reinterpret_cast<char*>(kid(kObject));
+      __builtin_prefetch(object);
+      __builtin_prefetch(object - 3 * sizeof(PyObject*));  // (a managed __dict__'s pointer)
+    }
+    if (k + kDict < n) {
+      if (PyObject* dict = instance_dict(kid(kDict))) __builtin_prefetch(dict);
+    }
+    if (k + kDictTable < n) {
+      if (PyObject* dict = instance_dict(kid(kDictTable))) {
+        prefetch_table(reinterpret_cast<PyDictObject*>(dict)->ma_keys);
+        __builtin_prefetch(reinterpret_cast<PyDictObject*>(dict)->ma_values);
+      }
+    }
+    if (k + kParts < n) {
+      if (PyObject* dict = instance_dict(kid(kParts))) {
+        for (PyObject* name : interned().parts) {
+          PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
+          if (part == nullptr) PyErr_Clear();
+          else __builtin_prefetch(part);
+        }
+      }
+    }
+  }
+
+  // A dict's key table: its header, indices and first entries (a module's dicts are small).
+  static void prefetch_table(const void* keys) {
+    __builtin_prefetch(keys);
+    __builtin_prefetch(static_cast<const char*>(keys) + 64);
+  }
+
+  // A module's exact-dict __dict__, or nullptr (no error set). As visit() finds it (CPython keeps a class's
+  // instance dicts before the object, "managed").
+  static PyObject* instance_dict(PyObject* module) {
+    PyObject** dict_ptr = _PyObject_GetDictPtr(module);
+    if (dict_ptr == nullptr || *dict_ptr == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    return PyDict_CheckExact(*dict_ptr) ? *dict_ptr : nullptr;
+  }
+
   static PyObject* lookup(PyTypeObject* type, const char* name) {
     py::object key = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(name));
     return _PyType_Lookup(type, key.ptr());  // borrowed; also gives the class a version tag
@@ -247,6 +320,8 @@ class Builder {
   std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
   ModuleTree tree_;
   std::vector<py::object> prefixes_;
+  std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
+  std::vector<py::object> held_;  // kids_' references
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
 };
 

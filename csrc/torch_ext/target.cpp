@@ -401,7 +401,19 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
   }
   std::vector<c10::StorageImpl*> out;
   out.reserve(live_.size());
-  for (int32_t j : live_) {
+  // Memory-bound as check() is: each live storage's first Python object, then its TensorImpl, a few ahead.
+  constexpr size_t kAhead = 6;
+  const size_t n = live_.size();
+  for (size_t k = 0; k < n; ++k) {
+    if (k + 2 * kAhead < n) __builtin_prefetch(items.data[first_tensor_[static_cast<size_t>(live_[k + 2 * kAhead])]]);
+    if (k + kAhead < n) {
+      const int32_t ahead = first_tensor_[static_cast<size_t>(live_[k + kAhead])];
+      PyObject* obj = items.data[ahead];
+      if (Py_TYPE(obj) == tensors_[static_cast<size_t>(ahead)].type) {
+        __builtin_prefetch(THPVariable_Unpack(obj).unsafeGetTensorImpl());
+      }
+    }
+    const int32_t j = live_[k];
     const int32_t i = first_tensor_[static_cast<size_t>(j)];
     PyObject* obj = items.data[i];
     const TensorFacts& t = tensors_[static_cast<size_t>(i)];
@@ -543,6 +555,7 @@ void StorageWatch::forget(const std::vector<int64_t>& positions) {
 
 void StorageWatch::forget_all() {
   for (size_t i = 0; i < refs_.size(); ++i) {
+    if (i + 8 < refs_.size()) __builtin_prefetch(refs_[i + 8]._unsafe_get_target(), 1);  // (its weak count)
     watched_[i] = 0;
     refs_[i].reset();
   }
@@ -579,7 +592,11 @@ void bump_versions(py::handle list) {
   for (Py_ssize_t i = 0; i < items.size; ++i) {
     if (!THPVariable_Check(items.data[i])) throw py::type_error("bump_versions: expected tensors");
   }
+  // Memory-bound: each tensor's TensorImpl a few ahead (its Python object was just read by the first pass).
+  constexpr Py_ssize_t kAhead = 6;
   for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + 2 * kAhead < items.size) __builtin_prefetch(items.data[i + 2 * kAhead]);
+    if (i + kAhead < items.size) __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl(), 1);
     const at::Tensor& t = THPVariable_Unpack(items.data[i]);
     if (!t.defined() || t.is_inference()) continue;
     t.unsafeGetTensorImpl()->bump_version();
@@ -591,7 +608,16 @@ void bump_versions(py::handle list) {
 bool any_grad(py::handle list, Py_ssize_t count) {
   Items items = items_of(list);
   if (count > items.size) count = items.size;
+  // Memory-bound: each tensor's Python object, TensorImpl and autograd meta, a few ahead.
+  constexpr Py_ssize_t kAhead = 6;
   for (Py_ssize_t i = 0; i < count; ++i) {
+    if (i + 3 * kAhead < count) __builtin_prefetch(items.data[i + 3 * kAhead]);
+    if (i + 2 * kAhead < count && THPVariable_Check(items.data[i + 2 * kAhead])) {
+      __builtin_prefetch(THPVariable_Unpack(items.data[i + 2 * kAhead]).unsafeGetTensorImpl());
+    }
+    if (i + kAhead < count && THPVariable_Check(items.data[i + kAhead])) {
+      __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl()->autograd_meta());
+    }
     if (!THPVariable_Check(items.data[i])) return true;  // not for us to decide: the caller's general path
     // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
     if (THPVariable_Unpack(items.data[i]).unsafeGetTensorImpl()->grad().defined()) return true;
