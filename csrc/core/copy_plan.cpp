@@ -1,7 +1,12 @@
 #include "copy_plan.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <string>
 
 #include "errors.hpp"
@@ -34,6 +39,53 @@ CopyPlan::CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vec
   }
 }
 
+namespace {
+
+// The start of the next source, asked for while the current one is copied: many small storages lie apart
+// in memory, and the hardware prefetcher starts over at each (65536 x 2 KiB ran at half a contiguous copy).
+inline void prefetch_head(const void* src, std::size_t size) {
+  constexpr std::size_t kHeadBytes = 2048, kLine = 64;
+  const char* p = static_cast<const char*>(src);
+  const std::size_t head = std::min(size, kHeadBytes);
+  for (std::size_t off = 0; off < head; off += kLine) __builtin_prefetch(p + off);
+}
+
+// A batch this large does not stay in the caches: it is written with streaming stores, as glibc's memcpy
+// writes one large copy. Many small pieces, each copied with memcpy, each paid the read of its destination
+// lines first (65536 x 2 KiB: half the speed of one contiguous copy of the same bytes).
+#if defined(__x86_64__)
+inline void stream_copy(char* dst, const char* src, std::size_t n) {
+  constexpr std::size_t kMinBytes = 256;
+  if (n < kMinBytes) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  const std::size_t head = (16 - (reinterpret_cast<std::uintptr_t>(dst) & 15)) & 15;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const std::size_t body = n & ~std::size_t{63};
+  for (std::size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+}
+inline void stream_fence() { _mm_sfence(); }
+#else
+inline void stream_copy(char* dst, const char* src, std::size_t n) { std::memcpy(dst, src, n); }
+inline void stream_fence() {}
+#endif
+
+}  // namespace
+
 void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t* sizes, std::size_t n) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < n; ++i) total += sizes[i];
@@ -53,10 +105,12 @@ void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t
     for (std::size_t i = 0; i < n && pos < end; ++i) {
       const std::size_t a = std::max(begin, pos), b = std::min(end, pos + sizes[i]);
       if (a < b) {
-        std::memcpy(static_cast<char*>(dst[i]) + (a - pos), static_cast<const char*>(src[i]) + (a - pos), b - a);
+        if (i + 1 < n) prefetch_head(src[i + 1], sizes[i + 1]);
+        stream_copy(static_cast<char*>(dst[i]) + (a - pos), static_cast<const char*>(src[i]) + (a - pos), b - a);
       }
       pos += sizes[i];
     }
+    stream_fence();  // (the streaming stores are weakly ordered: visible before the shard reports done)
   });
 }
 

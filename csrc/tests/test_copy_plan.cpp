@@ -44,6 +44,34 @@ TEST_CASE(parallel_memcpy_splits_exactly) {
   CHECK(a == b);
 }
 
+TEST_CASE(parallel_memcpy_of_many_small_misaligned_pieces) {
+  // A batch large enough for the threads and the streaming stores, of pieces of every size from 0 up,
+  // at every alignment of source and destination; the bytes between pieces are left as they were.
+  constexpr std::size_t kPieces = 6000;
+  std::vector<std::size_t> sizes(kPieces), src_at(kPieces), dst_at(kPieces);
+  std::size_t s_end = 0, d_end = 0;
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    sizes[i] = (i * 7919) % 2600;
+    src_at[i] = s_end + i % 13;
+    dst_at[i] = d_end + (i * 5) % 17;
+    s_end = src_at[i] + sizes[i];
+    d_end = dst_at[i] + sizes[i] + 3;
+  }
+  CHECK(std::accumulate(sizes.begin(), sizes.end(), std::size_t(0)) > (4u << 20));
+  std::vector<unsigned char> a(s_end), b(d_end, 0xA5);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<unsigned char>(i * 2654435761u >> 24);
+  std::vector<void*> dst(kPieces);
+  std::vector<const void*> src(kPieces);
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    dst[i] = b.data() + dst_at[i];
+    src[i] = a.data() + src_at[i];
+  }
+  parallel_memcpy(dst.data(), src.data(), sizes.data(), kPieces);
+  std::vector<unsigned char> expected(d_end, 0xA5);
+  for (std::size_t i = 0; i < kPieces; ++i) std::memcpy(expected.data() + dst_at[i], a.data() + src_at[i], sizes[i]);
+  CHECK(b == expected);
+}
+
 TEST_CASE(rejects_inconsistent_arrays) {
   CHECK_THROWS(CopyPlan(-1, {1, 2}, {0}, {1, 1}));
   CHECK_THROWS(CopyPlan(-2, {}, {}, {}));
