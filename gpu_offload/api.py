@@ -38,15 +38,17 @@ def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages
                      seconds * 1e3, rate)
 
 
-def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = True) -> _plan.Resolved:
+def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = True,
+                  hold: bool = False) -> _plan.Resolved:
     """The target's plan; refuses targets with offloaded storages or with memory released by someone else.
     Call with the registry lock held.
 
     writes: the call will write into the target's storages (FSDP units left unsharded are resharded
-    first, so that a stale unsharded copy cannot shadow what is written).
+    first, so that a stale unsharded copy cannot shadow what is written). hold: the call resizes the live
+    storages (offload): a cached plan's check holds them for it.
     """
     resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
-                             shard_info=lambda: shard_info(target))
+                             shard_info=lambda: shard_info(target), hold=hold)
     _refuse_offloaded(resolved, op)
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
@@ -340,7 +342,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     with _registry.lock:
-        resolved = _resolve_live(target, policy == "copy", "offload")
+        resolved = _resolve_live(target, policy == "copy", "offload", hold=True)
         plan, layout = resolved.plan, resolved.layout
         stuck = plan.all_resizable(resolved)
         if stuck is not None:
@@ -427,7 +429,7 @@ def reload(target: Any, *, verify: bool = False) -> None:
     named = named_tensors(target, include_grads=True)
     with _registry.lock:
         # The common case: the target as its offload left it, every storage of that offload still offloaded.
-        resolved = _plan.cached(named) if _registry.entries else None
+        resolved = _plan.cached(named, hold=True) if _registry.entries else None
         offloaded = resolved.plan.offloaded if resolved is not None else None
         if resolved is not None and offloaded is not None and offloaded.whole and _registry.registered(offloaded):
             _reload_through_plan(resolved, offloaded, verify)

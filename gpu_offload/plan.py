@@ -314,14 +314,17 @@ class TargetPlan:
                 return self.layout.storage_columns[0][i]
         return None
 
-    def valid(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+    def valid(self, names: list[str], tensors: list[torch.Tensor], hold: bool = False) -> Any:
         """Whether the target read now is still this plan's: the same names, the same tensor objects, each
         on the same storage viewing it the same way, each storage at the same address with the same size
-        (memory freed and re-allocated at the same address with another size is not the same)."""
+        (memory freed and re-allocated at the same address with another size is not the same).
+
+        hold: where the helper recorded the target, answer with the live storages held (a HeldStorages, for
+        the resize and watch of an offload or reload: they then need not reach them again), or None."""
         if self.names is not names and self.names != names:
             return False
         if self.record is not None:
-            return bool(self.record.check(tensors))
+            return self.record.check_held(tensors) if hold else bool(self.record.check(tensors))
         plain = _plain(tensors)  # (the cache key, found by lookup(), was these tensors' ids)
         if self.ptrs != data_ptrs(plain):
             return False
@@ -360,7 +363,7 @@ class TargetPlan:
         """A StorageWatch over the live storages (the helper's, from the record), or None."""
         if self.record is None:
             return None
-        return self.record.watch_live(resolved.tensors)
+        return self.record.watch_live(resolved.tensors, resolved.held)
 
     def refresh(self, tensors: list[torch.Tensor], released: bool) -> None:
         """Re-reads the storages' addresses and sizes after the caller resized them (offload: `released`,
@@ -466,11 +469,14 @@ class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
     def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
-                 hit: bool) -> None:
+                 hit: bool, held: Any = None) -> None:
         self.plan = plan
         self.tensors = tensors
         self._storages = storages
         self.hit = hit
+        # The live storages as the check found them, held for this call's resize and watch (resolve(hold=True)
+        # of a recorded target), or None.
+        self.held = held
 
     @property
     def layout(self) -> Layout:
@@ -613,20 +619,21 @@ _stats = {"hits": 0, "misses": 0}
 
 
 def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None,
-            shard_info: Optional[Callable[[], Optional[str]]] = None) -> Resolved:
+            shard_info: Optional[Callable[[], Optional[str]]] = None, hold: bool = False) -> Resolved:
     """The target's plan, from the cache when its tensors are unchanged, else freshly bound.
 
     nbytes_of (used by reload) forces a fresh bind with storage sizes overridden by key. shard_info, called
     on a fresh bind only, gives the strategy's shard layout to record in the layout. Plans whose tensors
-    reach past their storages are not cached (the caller reports them).
+    reach past their storages are not cached (the caller reports them). hold: a cache hit of a recorded
+    target holds its live storages for the call's resize (Resolved.held).
     """
     names, tensors = _split(named)
     if nbytes_of is None:
-        plan = lookup(names, tensors)
+        plan, held = _lookup(names, tensors, hold)
         # A plan an offload released is used only to say so (it is registered through it); otherwise the
         # storages were emptied some other way (discard) and a fresh bind says what is wrong.
         if plan is not None and (not plan.released or plan.offloaded is not None):
-            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
+            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)
     start = time.perf_counter()
     bound = bind_lists(names, tensors, nbytes_of)
     _stats["misses"] += 1
@@ -641,6 +648,11 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
     """The cached plan that is still valid for these tensors under these names, or None (a cache hit is
     counted)."""
+    return _lookup(names, tensors, False)[0]
+
+
+def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[Optional[TargetPlan], Any]:
+    """lookup(), and with `hold` the live storages its check held (None where it holds none)."""
     candidates = []
     if _ext is not None and tensors:
         candidates.append(("record", len(tensors), id(tensors[0]), id(tensors[-1])))
@@ -655,27 +667,27 @@ def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan
         with _cache_lock:
             plan = _cache.get(key)
     if plan is None:
-        return None
+        return None, None
     try:
-        ok = plan.valid(names, tensors)
+        ok = plan.valid(names, tensors, hold)
     except Exception:  # not all tensors: bind() says what is wrong
-        return None
-    if not ok:
-        return None
+        return None, None
+    if ok is None or ok is False:
+        return None, None
     with _cache_lock:
         if _cache.get(plan.key) is plan:
             _cache.move_to_end(plan.key)
     _stats["hits"] += 1
-    return plan
+    return plan, (ok if ok is not True else None)
 
 
-def cached(named: Sequence[tuple[str, torch.Tensor]]) -> Optional[Resolved]:
-    """The target's cached plan if it is still valid, else None; never binds."""
+def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False) -> Optional[Resolved]:
+    """The target's cached plan if it is still valid, else None; never binds. hold: as resolve()'s."""
     names, tensors = _split(named)
-    plan = lookup(names, tensors)
+    plan, held = _lookup(names, tensors, hold)
     if plan is None:
         return None
-    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True)
+    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)
 
 
 def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = None) -> bool:
@@ -696,7 +708,7 @@ def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = No
             plan.record.set_refusals(refusals)
         # Reaches the storages through the tensors, checks they are still the recorded ones, and keeps the
         # record up to date as it goes (so the plan needs no refresh()).
-        plan.record.resize_live(resolved.tensors, release, refuse)
+        plan.record.resize_live(resolved.tensors, release, refuse, resolved.held)
         plan.released, plan._storage_ptrs = release, None
         plan._forget_copies()
         return refuse

@@ -245,7 +245,8 @@ def inject_resize_failure(monkeypatch: pytest.MonkeyPatch, k: int, exc: type[Bas
     if torch_ext.ext is not None:
         patched_resize = torch.UntypedStorage.resize_  # counts and raises
 
-        def resize_live(record: Any, tensors: list[torch.Tensor], release: bool, refuse: bool = False) -> None:
+        def resize_live(record: Any, tensors: list[torch.Tensor], release: bool, refuse: bool = False,
+                        held: Any = None) -> None:  # (held: reached through the tensors here instead)
             messages = record.refusals if refuse else None
             try:
                 for k, (first, nbytes) in enumerate(record.live()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -449,6 +450,54 @@ def test_a_record_refuses_to_resize_or_watch_tensors_that_moved():
     with pytest.raises(ValueError, match="changed"):
         record.watch_live([a, b])
     assert [t.untyped_storage().nbytes() for t in (a, b)] == before
+
+
+@needs_ext
+def test_storages_held_by_the_check_are_the_checked_ones_and_are_resized_once():
+    # check_held() holds the live storages it found, for the call's watch and resize: a tensor moved to another
+    # storage in between (another thread) leaves the checked storage to be resized (it cannot have died: it is
+    # held), and the new one alone; the held storages serve one resize.
+    a, b, empty = torch.randn(8), torch.randn(3), torch.empty(0)
+    record = torch_ext.ext.record([a, b, empty])
+    assert record.check_held([a, b.t(), empty]) is None  # what check() refuses
+    held = record.check_held([a, b, empty])
+    assert held.num_held == 2 and not held.spent  # (the empty storage is not live)
+    checked = a.untyped_storage()
+    a.data = torch.randn(8)
+    del checked  # only the held reference keeps it now
+    watch = record.watch_live([a, b, empty], held)
+    record.resize_live([a, b, empty], True, False, held)
+    assert held.spent and held.num_held == 0
+    assert a.untyped_storage().nbytes() == 32 and b.untyped_storage().nbytes() == 0
+    assert watch.dead() == [0]  # the checked storage died with its last reference, the held one
+    # Spent, or another record's: reached through the tensors again (and their change seen).
+    with pytest.raises(ValueError, match="changed"):
+        record.resize_live([a, b, empty], False, False, held)
+    c = torch.randn(3)
+    held_elsewhere = torch_ext.ext.record([c]).check_held([c])
+    assert held_elsewhere.num_held == 1
+    with pytest.raises(ValueError, match="changed"):
+        record.resize_live([a, b, empty], False, False, held_elsewhere)
+    assert b.untyped_storage().nbytes() == 0
+
+
+@needs_ext
+def test_an_offload_and_reload_resize_the_storages_their_check_held(arena, monkeypatch, checks):
+    if checks == "python":
+        pytest.skip("the helper's records only")
+    m = _model()
+    expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+    _warm(m, arena)
+    seen: list[Any] = []
+    resize_live = torch_ext.ext.TargetRecord.resize_live
+    monkeypatch.setattr(torch_ext.ext.TargetRecord, "resize_live",
+                        lambda rec, ts, release, refuse=False, held=None:
+                        (seen.append(None if held is None else held.num_held), resize_live(rec, ts, release, refuse, held))[1])
+    go.offload(m, arena=arena)
+    go.reload(m)
+    assert seen == [len(plan.lookup(*plan._split(named_tensors(m))).live)] * 2
+    for name, t in named_tensors(m):
+        assert_bitwise_equal(t.detach(), expected[name])
 
 
 @needs_ext

@@ -199,7 +199,8 @@ def test_reload_lifts_the_refusal_in_one_call_and_a_failed_reload_keeps_it(arena
     passes: list[bool] = []  # the helper's resize passes that lift the refusal as they go
     resize_live = torch_ext.ext.TargetRecord.resize_live
     monkeypatch.setattr(torch_ext.ext.TargetRecord, "resize_live",
-                        lambda rec, ts, release, refuse=False: (passes.append(refuse), resize_live(rec, ts, release, refuse))[1])
+                        lambda rec, ts, release, refuse=False, held=None:
+                        (passes.append(refuse), resize_live(rec, ts, release, refuse, held))[1])
     go.reload(state)
     # One call for both storages: allow_access, or the resize's own pass.
     assert (calls, passes) in (([2], []), ([2], [False]), ([], [True])), (calls, passes)

@@ -17,6 +17,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -118,6 +119,25 @@ class StorageIndex {
   int shift_;
 };
 
+// The per-tensor passes are memory-bound: a tensor's Python object, TensorImpl and storage are scattered.
+// Each pass asks for the object of the tensor 2 * kAhead ahead and the TensorImpl of the one kAhead ahead.
+constexpr Py_ssize_t kAhead = 6;
+
+// Asks for `far`'s object and `near`'s TensorImpl (either may be nullptr: past the end). Returns near's
+// TensorImpl, or nullptr when near is not a tensor: only a tensor's object is unpacked (a prefetch never
+// faults; reading a TensorImpl pointer out of another object would).
+template <int kWrite = 0>
+inline c10::TensorImpl* prefetch_tensor(PyObject* far, PyObject* near) {
+  if (far != nullptr) __builtin_prefetch(far);
+  if (near == nullptr || !THPVariable_Check(near)) return nullptr;
+  c10::TensorImpl* impl = THPVariable_Unpack(near).unsafeGetTensorImpl();
+  __builtin_prefetch(impl, kWrite);
+  return impl;
+}
+
+// items[i], or nullptr past the end.
+inline PyObject* item_or_null(const Items& items, Py_ssize_t i) { return i < items.size ? items.data[i] : nullptr; }
+
 PyObject* new_int(int64_t v) { return PyLong_FromLongLong(v); }
 
 // A list of n new references made by make(i) (nullptr from make: the Python error stands).
@@ -163,12 +183,10 @@ TargetRecord::TargetRecord(py::handle list) {
   Items items = items_of(list);
   tensors_.reserve(static_cast<size_t>(items.size));
   StorageIndex index_of(static_cast<size_t>(items.size));
-  constexpr Py_ssize_t kAhead = 6;  // (scattered objects: see check())
+  static std::atomic<uint64_t> next_id{1};
+  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    if (i + 2 * kAhead < items.size) __builtin_prefetch(items.data[i + 2 * kAhead]);
-    if (i + kAhead < items.size && plain_tensor(items.data[i + kAhead])) {
-      __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl());
-    }
+    prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
     PyObject* obj = items.data[i];
     if (!plain_tensor(obj)) throw NotPlain("item " + std::to_string(i) + " is not a plain tensor");
     c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
@@ -277,22 +295,27 @@ py::tuple TargetRecord::tensor_columns() const {
   return py::make_tuple(storage, offsets, shapes, strides, dtypes);
 }
 
-bool TargetRecord::check(py::handle list) const {
+bool TargetRecord::check(py::handle list) const { return check_impl<false>(list, nullptr); }
+
+py::object TargetRecord::check_held(py::handle list) const {
+  auto held = std::make_unique<HeldStorages>();
+  held->record_id = id_;
+  held->refs.reserve(live_.size());
+  if (!check_impl<true>(list, &held->refs)) return py::none();
+  return py::cast(held.release(), py::return_value_policy::take_ownership);
+}
+
+template <bool kHold>
+bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held) const {
   if (!PyList_CheckExact(list.ptr())) return false;
   Items items = items_of(list);
   const Py_ssize_t n = items.size;
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();
-  // Memory-bound (three objects per tensor, scattered): the loop asks for each tensor's Python object, then
-  // its TensorImpl and its storage, a few tensors ahead. A prefetch never faults; only an object of the
-  // recorded type is read to find its TensorImpl.
-  constexpr Py_ssize_t kAhead = 6;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i + 2 * kAhead < n) __builtin_prefetch(items.data[i + 2 * kAhead]);
+    prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
     if (i + kAhead < n) {
-      PyObject* ahead = items.data[i + kAhead];
       const TensorFacts& next = tensors_[static_cast<size_t>(i + kAhead)];
-      if (Py_TYPE(ahead) == next.type) __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
       if (next.first) __builtin_prefetch(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
     }
     const TensorFacts& t = tensors_[static_cast<size_t>(i)];
@@ -318,10 +341,19 @@ bool TargetRecord::check(py::handle list) const {
     }
     // The storage, with its first tensor (so alive: this tensor is on it): same memory, same size (a
     // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
-    if (t.first && (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
-                    storage->resizable() != s.resizable)) {
-      return false;
+    if (t.first) {
+      if (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
+          storage->resizable() != s.resizable) {
+        return false;
+      }
+      // A live storage (live_ lists them in the order of their first tensors), while its line is at hand.
+      if constexpr (kHold) {
+        if (s.recorded_nbytes != 0) held->push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+      }
     }
+  }
+  if constexpr (kHold) {
+    if (held->size() != live_.size()) return false;  // (cannot differ: live_ is made the same way)
   }
   return true;
 }
@@ -401,18 +433,12 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
   }
   std::vector<c10::StorageImpl*> out;
   out.reserve(live_.size());
-  // Memory-bound as check() is: each live storage's first Python object, then its TensorImpl, a few ahead.
-  constexpr size_t kAhead = 6;
   const size_t n = live_.size();
+  auto first_of = [&](size_t k) -> PyObject* {
+    return k < n ? items.data[first_tensor_[static_cast<size_t>(live_[k])]] : nullptr;
+  };
   for (size_t k = 0; k < n; ++k) {
-    if (k + 2 * kAhead < n) __builtin_prefetch(items.data[first_tensor_[static_cast<size_t>(live_[k + 2 * kAhead])]]);
-    if (k + kAhead < n) {
-      const int32_t ahead = first_tensor_[static_cast<size_t>(live_[k + kAhead])];
-      PyObject* obj = items.data[ahead];
-      if (Py_TYPE(obj) == tensors_[static_cast<size_t>(ahead)].type) {
-        __builtin_prefetch(THPVariable_Unpack(obj).unsafeGetTensorImpl());
-      }
-    }
+    prefetch_tensor(first_of(k + 2 * kAhead), first_of(k + kAhead));
     const int32_t j = live_[k];
     const int32_t i = first_tensor_[static_cast<size_t>(j)];
     PyObject* obj = items.data[i];
@@ -425,6 +451,20 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
     }
     out.push_back(storages_[static_cast<size_t>(j)].impl);
   }
+  return out;
+}
+
+HeldStorages* TargetRecord::usable_held(py::handle held) const {
+  if (held.is_none() || !py::isinstance<HeldStorages>(held)) return nullptr;
+  HeldStorages* h = held.cast<HeldStorages*>();
+  return h->record_id == id_ && !h->spent && h->refs.size() == live_.size() ? h : nullptr;
+}
+
+std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list, HeldStorages* held) const {
+  if (held == nullptr) return live_storages(list);
+  std::vector<c10::StorageImpl*> out;
+  out.reserve(held->refs.size());
+  for (const auto& ref : held->refs) out.push_back(ref.get());
   return out;
 }
 
@@ -445,9 +485,10 @@ void TargetRecord::set_refusals(py::list messages) {
   parked_ = std::move(parked);
 }
 
-void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
+void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::handle held) {
   if (refuse && parked_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
-  const std::vector<c10::StorageImpl*> impls = live_storages(list);
+  HeldStorages* h = usable_held(held);
+  const std::vector<c10::StorageImpl*> impls = live_storages(list, h);
   for (size_t k = 0; k < impls.size(); ++k) {
     if (!one_pass_device(impls[k]->device())) throw py::value_error("resize_live: CPU and CUDA storages only");
     const size_t want = storages_[static_cast<size_t>(live_[k])].recorded_nbytes;
@@ -461,7 +502,7 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
   // as after a Python loop. The record follows each storage as it is resized (what refresh() would read),
   // so it is exact even after a failure.
   try {
-    resize_each(impls, release, refuse);
+    resize_each(impls, release, refuse, h);
   } catch (const c10::OutOfMemoryError& e) {
     // torch.OutOfMemoryError, as UntypedStorage.resize_ raises it (swap() falls back on it), not pybind11's
     // RuntimeError.
@@ -470,7 +511,10 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse) {
   }
 }
 
-void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse) {
+void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse,
+                               HeldStorages* held) {
+  // Spent from here on, whatever happens: its references go one by one as their storages are resized.
+  if (held != nullptr) held->spent = true;
   for (size_t k = 0; k < impls.size(); ++k) {
     if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
@@ -483,10 +527,15 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool
       if (parked_[k].empty()) parked_[k] = messages_[k].cast<std::string>();
       refuse_access_moving(impls[k], parked_[k]);
     }
+    // (The target's tensors hold it too: this only drops the check's reference, while its line is at hand.)
+    if (held != nullptr) held->refs[k].reset();
   }
+  if (held != nullptr) held->refs.clear();
 }
 
-StorageWatch* TargetRecord::watch_live(py::handle list) const { return new StorageWatch(live_storages(list)); }
+StorageWatch* TargetRecord::watch_live(py::handle list, py::handle held) const {
+  return new StorageWatch(live_storages(list, usable_held(held)));
+}
 
 py::list TargetRecord::live() const {
   py::list out(live_.size());
@@ -592,11 +641,8 @@ void bump_versions(py::handle list) {
   for (Py_ssize_t i = 0; i < items.size; ++i) {
     if (!THPVariable_Check(items.data[i])) throw py::type_error("bump_versions: expected tensors");
   }
-  // Memory-bound: each tensor's TensorImpl a few ahead (its Python object was just read by the first pass).
-  constexpr Py_ssize_t kAhead = 6;
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    if (i + 2 * kAhead < items.size) __builtin_prefetch(items.data[i + 2 * kAhead]);
-    if (i + kAhead < items.size) __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl(), 1);
+    prefetch_tensor</*kWrite=*/1>(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
     const at::Tensor& t = THPVariable_Unpack(items.data[i]);
     if (!t.defined() || t.is_inference()) continue;
     t.unsafeGetTensorImpl()->bump_version();
@@ -608,13 +654,10 @@ void bump_versions(py::handle list) {
 bool any_grad(py::handle list, Py_ssize_t count) {
   Items items = items_of(list);
   if (count > items.size) count = items.size;
-  // Memory-bound: each tensor's Python object, TensorImpl and autograd meta, a few ahead.
-  constexpr Py_ssize_t kAhead = 6;
+  const Items first{items.data, count};
+  // One stage further ahead than the other passes: the autograd meta is a third object per tensor.
   for (Py_ssize_t i = 0; i < count; ++i) {
-    if (i + 3 * kAhead < count) __builtin_prefetch(items.data[i + 3 * kAhead]);
-    if (i + 2 * kAhead < count && THPVariable_Check(items.data[i + 2 * kAhead])) {
-      __builtin_prefetch(THPVariable_Unpack(items.data[i + 2 * kAhead]).unsafeGetTensorImpl());
-    }
+    prefetch_tensor(item_or_null(first, i + 3 * kAhead), item_or_null(first, i + 2 * kAhead));
     if (i + kAhead < count && THPVariable_Check(items.data[i + kAhead])) {
       __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl()->autograd_meta());
     }

@@ -202,6 +202,9 @@ PYBIND11_MODULE(_torch_ext, m) {
   // -- per-call checks (target.cpp) ------------------------------------------------------------------
   py::class_<TargetRecord>(m, "TargetRecord")
       .def("check", &TargetRecord::check, py::arg("tensors"))
+      .def("check_held", &TargetRecord::check_held, py::arg("tensors"),
+           "check(), holding the live storages for resize_live and watch_live: a HeldStorages, or None where "
+           "check() answers False.")
       .def("refresh", &TargetRecord::refresh, py::arg("tensors"))
       .def("keys", &TargetRecord::keys)
       .def("storage_nbytes", &TargetRecord::storage_nbytes)
@@ -211,16 +214,18 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("tensor_columns", &TargetRecord::tensor_columns,
            "(storage index, offset, shape, stride, dtype) of each tensor, as recorded.")
       .def("resize_live", &TargetRecord::resize_live, py::arg("tensors"), py::arg("release"),
-           py::arg("refuse") = false,
+           py::arg("refuse") = false, py::arg("held") = py::none(),
            "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes; with "
            "`refuse`, each also refuses access after its release, or has the refusal lifted before it grows "
-           "(the messages of set_refusals), in the same pass.")
+           "(the messages of set_refusals), in the same pass. `held`: check_held()'s answer for `tensors` (the "
+           "storages it holds are resized, without reaching them again; it is spent then).")
       .def("set_refusals", &TargetRecord::set_refusals, py::arg("messages"),
            "One refusal message per live storage, for resize_live(..., refuse=True).")
       .def_property_readonly("has_refusals", &TargetRecord::has_refusals)
       .def_property_readonly("refusals", &TargetRecord::refusals)
-      .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::return_value_policy::take_ownership,
-           "A StorageWatch over the recorded live storages of `tensors`.")
+      .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::arg("held") = py::none(),
+           py::return_value_policy::take_ownership,
+           "A StorageWatch over the recorded live storages of `tensors` (those `held` holds, if given).")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)
@@ -245,6 +250,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         py::arg("through_allocator") = false,
         "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "
         "the first failure); through_allocator: the way resize_live resizes a CUDA storage (to 0, or from 0).");
+  py::class_<HeldStorages>(m, "HeldStorages")
+      .def_property_readonly("spent", [](const HeldStorages& h) { return h.spent; })
+      .def_property_readonly("num_held", [](const HeldStorages& h) { return h.refs.size(); });
   py::class_<StorageWatch>(m, "StorageWatch")
       .def(py::init<py::handle>(), py::arg("storages"), "Watches tensors' or UntypedStorages' storages.")
       .def("dead", &StorageWatch::dead)

@@ -46,6 +46,17 @@ struct NotPlain : std::runtime_error {
 
 class StorageWatch;
 
+// A record's live storages held (strong references) from the check that found them to be the recorded
+// ones until the caller's resize and watch, which then need not reach them again through the tensors.
+// Between the two the caller runs Python (copies, registry): another thread may move a tensor to another
+// storage then, and the held one is what the checked state had (the offload is of the state as checked).
+// A resize spends it (each reference goes as its storage is resized).
+struct HeldStorages {
+  uint64_t record_id;
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> refs;
+  bool spent = false;
+};
+
 // What a cached plan remembers about a target's tensors and storages (target.cpp).
 class TargetRecord {
  public:
@@ -62,6 +73,9 @@ class TargetRecord {
   // Whether `list` holds the same tensor objects, each on the same storage, viewing it the same way, and
   // each storage still has the same memory, size and device.
   bool check(py::handle list) const;
+  // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
+  // where check() would answer false.
+  py::object check_held(py::handle list) const;
   // Re-reads every storage's memory, size, device and resizability (after the caller resized them);
   // false (nothing read) when `list` is not the recorded tensors on the recorded storages.
   bool refresh(py::handle list);
@@ -76,12 +90,13 @@ class TargetRecord {
   // the last check (another thread).
   // With `refuse`, each storage also refuses access (release: after it is resized) or has the refusal
   // lifted (before it is resized back), in the same pass, with the messages of set_refusals().
-  void resize_live(py::handle list, bool release, bool refuse);
+  // `held`: a HeldStorages of this record from check_held() on `list` (else None: reached through `list`).
+  void resize_live(py::handle list, bool release, bool refuse, py::handle held);
   // One message per live storage, kept for resize_live(..., refuse=true).
   void set_refusals(py::list messages);
   bool has_refusals() const { return !parked_.empty(); }
   py::list refusals() const { return messages_; }
-  StorageWatch* watch_live(py::handle list) const;
+  StorageWatch* watch_live(py::handle list, py::handle held) const;
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const { return all_resizable_; }
   size_t num_tensors() const { return tensors_.size(); }
@@ -107,9 +122,15 @@ class TargetRecord {
     bool resizable;
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
+  template <bool kHold>
+  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
+  // `held` when it is this record's unspent HeldStorages, else nullptr.
+  HeldStorages* usable_held(py::handle held) const;
+  // The held storages (when not nullptr), else live_storages(list).
+  std::vector<c10::StorageImpl*> live_storages(py::handle list, HeldStorages* held) const;
   void summarize();  // all_resizable_ from the storages' facts
-  void resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse);
+  void resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse, HeldStorages* held);
   std::vector<TensorFacts> tensors_;
   std::vector<int64_t> dims_;
   std::vector<StorageFacts> storages_;
@@ -121,6 +142,7 @@ class TargetRecord {
   py::list messages_;
   std::vector<std::string> parked_;
   bool all_resizable_ = true;
+  uint64_t id_;  // (for HeldStorages: an address may be another record's later)
 };
 
 // Weak references to storages: which of them died, without a Python object or callback per storage.
