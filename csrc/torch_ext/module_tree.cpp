@@ -156,8 +156,12 @@ class Builder {
     // parts found before are not trusted.)
     if (version_of(dict) != facts.dict_version) return false;
     tree_.modules.push_back(facts);
-    prefixes_.push_back(py::reinterpret_borrow<py::object>(prefix));
-    if (!members(facts.parts[0], prefix, param_names_, params_)) return false;
+    // named_parameters and named_buffers walk the same modules in the same order (pre-order): each module's
+    // buffers are gathered with its parameters, while its dicts are at hand, and listed after all of them.
+    if (!members(facts.parts[0], prefix, param_names_, params_) ||
+        !members(facts.parts[1], prefix, buffer_names_, buffers_)) {
+      return false;
+    }
     // The children, in order, each held (a reference taken) until the siblings before it are visited.
     const size_t first_kid = kids_.size();
     Py_ssize_t pos = 0;
@@ -182,14 +186,6 @@ class Builder {
     }
     kids_.resize(first_kid);
     held_.resize(held_.size() - 2 * num_kids);
-    return true;
-  }
-
-  bool buffers() {
-    // named_buffers: a second walk over the same modules in the same order.
-    for (size_t i = 0; i < tree_.modules.size(); ++i) {
-      if (!members(tree_.modules[i].parts[1], prefixes_[i].ptr(), buffer_names_, buffers_)) return false;
-    }
     return true;
   }
 
@@ -319,7 +315,6 @@ class Builder {
   ModuleMethods base_;
   std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
   ModuleTree tree_;
-  std::vector<py::object> prefixes_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
@@ -333,7 +328,7 @@ py::object build_module_tree(py::handle root, py::handle module_type) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
   Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()));
   py::object empty = py::reinterpret_steal<py::object>(PyUnicode_FromString(""));
-  if (!b.visit(root.ptr(), empty.ptr(), 0, true) || !b.buffers()) return py::none();
+  if (!b.visit(root.ptr(), empty.ptr(), 0, true)) return py::none();
   return b.result();
 }
 
