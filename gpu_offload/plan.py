@@ -275,7 +275,8 @@ class TargetPlan:
         self._sizes = layout_nbytes
         # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
         # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
-        self.dtensor_specs: dict[str, Any] = {} if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES else {
+        plain_types = self.record is not None or set(map(type, tensors)) <= PLAIN_TENSOR_TYPES  # (a record's are)
+        self.dtensor_specs: dict[str, Any] = {} if plain_types else {
             n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
         self._copies: Optional[CopyPlans] = None
         self._rebase_from: Optional[CopyPlans] = None
@@ -642,7 +643,8 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
-    return Resolved(plan, _plain(tensors), bound.storages_read, False)
+    # (A record is only of plain tensors.)
+    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), bound.storages_read, False)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
@@ -659,11 +661,14 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[
     with _cache_lock:
         _prune()
         plan = _cache.get(candidates[0]) if candidates else None
-    if plan is None:
+        # Keyed by their tensors' ids: the plans the helper did not record. With none cached, a miss makes
+        # no key as long as the target.
+        by_ids = plan is None and any(k[:1] != ("record",) for k in _cache)
+    if by_ids:
         try:
             key = tuple(map(id, tensors))
         except TypeError:
-            return None
+            return None, None
         with _cache_lock:
             plan = _cache.get(key)
     if plan is None:
@@ -741,7 +746,7 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
         info = shard_info()
         if info is not None:
             bound.layout = bound.layout.with_shard_info(info)
-    plain = _plain(tensors)
+    plain = tensors if bound.record is not None else _plain(tensors)  # (a record is only of plain tensors)
     plan = TargetPlan(names, tensors, bound, plain)
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering. (A
     # record read the sizes it holds; the Python bind may have had them overridden.)

@@ -293,3 +293,24 @@ def test_the_copies_after_a_reload_are_rebased_and_right(arena, monkeypatch, che
     snap.free()
     # (Only a recorded plan rebases; the pure-Python one builds its copies again.)
     assert any(r is not None for r in rebased) == (checks == "helper")
+
+
+def test_a_plan_the_helper_did_not_record_is_found_beside_recorded_ones(arena):
+    # A miss looks plans up by their tensors' ids only while such a plan is cached: one that is (a subclass
+    # target: no record) is found again, before and after recorded plans join and leave the cache.
+    class Sub(torch.Tensor):
+        pass
+
+    odd = {"a": torch.ones(4), "b": torch.ones(2).as_subclass(Sub)}
+    plain = {"c": torch.ones(3)}
+    for target in (odd, plain, odd, plain, odd):
+        go.snapshot(target, arena=arena).free()
+    hits = _hits()
+    go.snapshot(odd, arena=arena).free()
+    go.snapshot(plain, arena=arena).free()
+    assert _hits() == hits + 2
+    plan.clear_cache()
+    go.snapshot(odd, arena=arena).free()
+    hits = _hits()
+    go.snapshot(odd, arena=arena).free()
+    assert _hits() == hits + 1
