@@ -490,9 +490,12 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::h
   HeldStorages* h = usable_held(held);
   const std::vector<c10::StorageImpl*> impls = live_storages(list, h);
   for (size_t k = 0; k < impls.size(); ++k) {
-    if (!one_pass_device(impls[k]->device())) throw py::value_error("resize_live: CPU and CUDA storages only");
-    const size_t want = storages_[static_cast<size_t>(live_[k])].recorded_nbytes;
-    if (!release && !impls[k]->device().is_cpu() && !resizes_empty(impls[k], want)) {
+    // (The recorded device: these are the recorded storages, and a storage's device never changes. A CPU
+    // storage is not read here, which would be a miss per storage before the resize's own.)
+    const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    if (!one_pass_device(facts.device)) throw py::value_error("resize_live: CPU and CUDA storages only");
+    const size_t want = facts.recorded_nbytes;
+    if (!release && !facts.device.is_cpu() && !resizes_empty(impls[k], want)) {
       throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(impls[k]->nbytes()) +
                             " bytes, neither 0 nor its " + std::to_string(want));
     }
