@@ -208,6 +208,16 @@ def test_a_module_with_grads_reads_them_in_every_call(arena):
     snap = go.snapshot(m, include_grads=True, arena=arena).wait()
     assert torch.equal(snap.tensors()["0.inner.weight.grad"], torch.ones(2, 3))
     snap.free()
+    # A grad that appears at any parameter of the recorded traversal is seen (the same pass that reads the
+    # tensors asks each parameter for one, its objects prefetched a few ahead).
+    params = list(m.named_parameters())
+    for position in (1, len(params) // 2, len(params) - 1):
+        for p in m.parameters():
+            p.grad = None
+        assert not any(n.endswith(".grad") for n, _ in named_tensors(m, include_grads=True))
+        name, p = params[position]
+        p.grad = torch.full_like(p, 2.0)
+        assert [n for n, _ in named_tensors(m, include_grads=True)][-1] == f"{name}.grad"
 
 
 def test_an_unchanged_module_is_served_from_its_record(arena, checks):

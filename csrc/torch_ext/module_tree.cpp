@@ -395,16 +395,31 @@ bool check_module_tree(const ModuleTree& tree, py::handle root) {
 }
 
 // The traversal's tensors, read again from the unchanged dicts (the tree keeps no tensor alive), or None
-// when `root` changed.
-py::object tree_tensors(const ModuleTree& tree, py::handle root) {
+// when `root` changed. With `no_grads`, False where a parameter has a .grad (its grads join the target: the
+// caller's general path), found in the same pass.
+py::object tree_tensors(const ModuleTree& tree, py::handle root, bool no_grads) {
   if (!walk(const_cast<ModuleTree&>(tree), root.ptr())) return py::none();
-  // Unchanged dicts hold the recorded objects: no need to iterate them again.
-  const size_t n = tree.tensors.size();
+  // Unchanged dicts hold the recorded objects (alive, and read only now): no need to iterate them again.
+  const size_t n = tree.tensors.size(), num_params = no_grads ? tree.num_params : 0;
   py::list out(n);
   PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  // Memory-bound: each object a few ahead; for the grads, each parameter's TensorImpl, then autograd meta.
   constexpr size_t kAhead = 8;
   for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) __builtin_prefetch(tree.tensors[i + kAhead], 1);
+    if (i + 3 * kAhead < n) __builtin_prefetch(tree.tensors[i + 3 * kAhead], 1);
+    if (i < num_params) {
+      if (i + 2 * kAhead < num_params && THPVariable_Check(tree.tensors[i + 2 * kAhead])) {
+        __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + 2 * kAhead]).unsafeGetTensorImpl());
+      }
+      if (i + kAhead < num_params && THPVariable_Check(tree.tensors[i + kAhead])) {
+        __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + kAhead]).unsafeGetTensorImpl()->autograd_meta());
+      }
+      // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
+      if (!THPVariable_Check(tree.tensors[i]) ||
+          THPVariable_Unpack(tree.tensors[i]).unsafeGetTensorImpl()->grad().defined()) {
+        return py::bool_(false);  // (the list, partly filled, is dropped: its empty slots are NULL)
+      }
+    }
     PyObject* t = tree.tensors[i];
     Py_INCREF(t);
     items[i] = t;
@@ -416,8 +431,9 @@ void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"),
            "Whether `root` is the module this traversal was recorded from and nothing it depends on changed.")
-      .def("tensors", &tree_tensors, py::arg("root"),
-           "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed.")
+      .def("tensors", &tree_tensors, py::arg("root"), py::arg("no_grads") = false,
+           "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed; "
+           "with no_grads, False if a parameter has a .grad.")
       .def_property_readonly("num_modules", [](const ModuleTree& t) { return t.modules.size(); });
 }
 
@@ -430,7 +446,8 @@ bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"))
-      .def("tensors", [](const ModuleTree&, py::handle) { return py::none(); }, py::arg("root"));
+      .def("tensors", [](const ModuleTree&, py::handle, bool) { return py::none(); }, py::arg("root"),
+           py::arg("no_grads") = false);
 }
 
 #endif

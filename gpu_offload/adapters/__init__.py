@@ -196,7 +196,9 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     if not _ext.MODULE_TREE or "deepspeed" in sys.modules:
         return None
     entry = _trees.get(module)
-    tensors = entry[0].tensors(module) if entry is not None else None
+    tensors = entry[0].tensors(module, include_grads) if entry is not None else None
+    if tensors is False:  # (asked for grads, and a parameter has one: found in the same pass)
+        return None
     if entry is None or tensors is None:
         # The strategy depends only on the modules' classes, which the record covers.
         if strategy_of(module) is not PLAIN_MODULE:
@@ -206,8 +208,8 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
             return None
         tree, names, tensors, num_params = built
         entry = _trees[module] = (tree, names, num_params)
-    if include_grads and _ext.any_grad(tensors, entry[2]):
-        return None
+        if include_grads and _ext.any_grad(tensors, num_params):
+            return None
     return Named(entry[1], tensors)
 
 
