@@ -315,17 +315,14 @@ class TargetPlan:
                 return self.layout.storage_columns[0][i]
         return None
 
-    def valid(self, names: list[str], tensors: list[torch.Tensor], hold: bool = False) -> Any:
+    def valid(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
         """Whether the target read now is still this plan's: the same names, the same tensor objects, each
         on the same storage viewing it the same way, each storage at the same address with the same size
-        (memory freed and re-allocated at the same address with another size is not the same).
-
-        hold: where the helper recorded the target, answer with the live storages held (a HeldStorages, for
-        the resize and watch of an offload or reload: they then need not reach them again), or None."""
+        (memory freed and re-allocated at the same address with another size is not the same)."""
         if self.names is not names and self.names != names:
             return False
         if self.record is not None:
-            return self.record.check_held(tensors) if hold else bool(self.record.check(tensors))
+            return bool(self.record.check(tensors))
         plain = _plain(tensors)  # (the cache key, found by lookup(), was these tensors' ids)
         if self.ptrs != data_ptrs(plain):
             return False
@@ -334,6 +331,14 @@ class TargetPlan:
         storages = _first_storages(self, plain)
         return ([s._cdata for s in storages] == self.keys
                 and list(map(torch.UntypedStorage.nbytes, storages)) == self.storage_nbytes)
+
+    def valid_held(self, names: list[str], tensors: list[torch.Tensor]) -> Any:
+        """valid() of a recorded plan, answered with the live storages it checked held (a HeldStorages, for
+        the resize and watch of an offload or reload: they then need not reach them again), or None where
+        valid() would be false."""
+        if self.names is not names and self.names != names:
+            return None
+        return self.record.check_held(tensors)
 
     @property
     def storage_ptrs(self) -> list[int]:
@@ -673,17 +678,22 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[
             plan = _cache.get(key)
     if plan is None:
         return None, None
+    held = None
     try:
-        ok = plan.valid(names, tensors, hold)
+        if hold and plan.record is not None:
+            held = plan.valid_held(names, tensors)
+            ok = held is not None
+        else:
+            ok = plan.valid(names, tensors)
     except Exception:  # not all tensors: bind() says what is wrong
         return None, None
-    if ok is None or ok is False:
+    if not ok:
         return None, None
     with _cache_lock:
         if _cache.get(plan.key) is plan:
             _cache.move_to_end(plan.key)
     _stats["hits"] += 1
-    return plan, (ok if ok is not True else None)
+    return plan, held
 
 
 def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False) -> Optional[Resolved]:

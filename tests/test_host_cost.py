@@ -12,6 +12,7 @@ torch-aware helper and with the pure-Python fallback (conftest.checks).
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Any
@@ -508,6 +509,55 @@ def test_an_offload_and_reload_resize_the_storages_their_check_held(arena, monke
     assert seen == [len(plan.lookup(*plan._split(named_tensors(m))).live)] * 2
     for name, t in named_tensors(m):
         assert_bitwise_equal(t.detach(), expected[name])
+
+
+@needs_ext
+def test_a_record_rearms_its_last_watch_only_while_it_still_holds_every_storage():
+    # An offload+reload cycle re-arms the record's last watch instead of taking and dropping a weak reference
+    # per storage; a watch still watching, or one that lost a position (a death, a forget), is not reused,
+    # and a re-armed one still sees a death.
+    ts = [torch.randn(4), torch.randn(2)]
+    record = torch_ext.ext.record(ts)
+    first = record.watch_live(ts)
+    assert record.watch_live(ts) is not first  # still watching: a new one
+    second = record.watch_live(ts)
+    second.forget_all()
+    assert second.num_watched == 0
+    again = record.watch_live(ts)
+    assert again is second and again.num_watched == 2 and again.dead() == []
+    ts[1].data = torch.randn(2)  # its old storage dies while re-armed
+    assert again.dead() == [1] and again.num_watched == 1
+    ts2 = [torch.randn(3), torch.randn(5)]
+    record2 = torch_ext.ext.record(ts2)
+    w = record2.watch_live(ts2)
+    w.forget([0])  # one position forgotten: its reference went
+    w.forget_all()
+    assert record2.watch_live(ts2) is not w
+    # A plain StorageWatch (not a record's) drops its references at forget_all, as before.
+    plain_watch = torch_ext.ext.StorageWatch(ts2)
+    plain_watch.forget_all()
+    assert plain_watch.num_watched == 0 and plain_watch.dead() == []
+
+
+@needs_ext
+def test_a_target_dropped_after_some_cycles_returns_its_bytes(arena, checks):
+    # The second and later offloads watch through the re-armed watch of the first: dropping the target
+    # while offloaded still gives its bytes back.
+    m = _model()
+    _warm(m, arena)
+    watches = []
+    for _ in range(3):
+        go.offload(m, arena=arena)
+        watches.append(plan.lookup(*plan._split(named_tensors(m))).offloaded._watch)
+        go.reload(m)
+    if checks == "helper":
+        assert watches[0] is not None and watches.count(watches[0]) == 3  # one watch, re-armed
+    go.offload(m, arena=arena)
+    assert go.offloaded_bytes() > 0 and arena.used_bytes > 0
+    del m
+    gc.collect()
+    go.is_offloaded({})  # (any call that takes the lock drops what died)
+    assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
 
 
 @needs_ext

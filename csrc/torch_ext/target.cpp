@@ -3,9 +3,10 @@
 // A TargetRecord is what a cached plan remembers about the tensors it was built from: for each tensor its
 // Python object, its TensorImpl, its storage, offset, shape, strides and dtype; for each storage its
 // StorageImpl, data pointer, size, device and resizability. check() answers whether a list of tensors is
-// still exactly that, which is what the plan needs to be reused. No reference is held: recorded pointers are
-// only compared with live ones, never followed, except a storage's whose tensor was just found to still
-// use it (so it is alive).
+// still exactly that, which is what the plan needs to be reused. A record holds no reference: recorded
+// pointers are only compared with live ones, never followed, except a storage's whose tensor was just found
+// to still use it (so it is alive). check_held() is the one exception: its HeldStorages holds strong
+// references to the storages it checked, for the resize or watch that follows in the same call.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -17,6 +18,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -518,8 +520,19 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool
                                HeldStorages* held) {
   // Spent from here on, whatever happens: its references go one by one as their storages are resized.
   if (held != nullptr) held->spent = true;
-  for (size_t k = 0; k < impls.size(); ++k) {
-    if (k + 8 < impls.size()) __builtin_prefetch(impls[k + 8], 1);
+  // Memory-bound for small storages: each StorageImpl is asked for 2 * kAhead ahead, then, kAhead ahead,
+  // what the resize and the refusal touch beyond it: the extra meta a refusal writes and, for a CPU
+  // release, the heap chunk's header that free() reads just before the memory.
+  const size_t n = impls.size(), ahead = static_cast<size_t>(kAhead);
+  for (size_t k = 0; k < n; ++k) {
+    if (k + 2 * ahead < n) __builtin_prefetch(impls[k + 2 * ahead], 1);
+    if (k + ahead < n) {
+      const StorageFacts& next = storages_[static_cast<size_t>(live_[k + ahead])];
+      if (refuse) prefetch_refusal(impls[k + ahead]);
+      if (release && next.device.is_cpu() && next.data != nullptr) {
+        __builtin_prefetch(static_cast<const char*>(next.data) - 2 * sizeof(size_t), 1);
+      }
+    }
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
     // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
     if (refuse && !release) allow_access_moving(impls[k], parked_[k]);
@@ -533,11 +546,15 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool
     // (The target's tensors hold it too: this only drops the check's reference, while its line is at hand.)
     if (held != nullptr) held->refs[k].reset();
   }
-  if (held != nullptr) held->refs.clear();
+  if (held != nullptr) held->refs.clear();  // (spent: num_held reads 0)
 }
 
-StorageWatch* TargetRecord::watch_live(py::handle list, py::handle held) const {
-  return new StorageWatch(live_storages(list, usable_held(held)));
+py::object TargetRecord::watch_live(py::handle list, py::handle held) {
+  const std::vector<c10::StorageImpl*> impls = live_storages(list, usable_held(held));
+  if (watch_ && py::isinstance<StorageWatch>(watch_) && watch_.cast<StorageWatch*>()->rearm(impls)) return watch_;
+  py::object made = py::cast(new StorageWatch(impls, /*rearmable=*/true), py::return_value_policy::take_ownership);
+  watch_ = made;
+  return made;
 }
 
 py::list TargetRecord::live() const {
@@ -567,7 +584,7 @@ void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bo
 StorageWatch::StorageWatch(py::handle storages)
     : StorageWatch(storages_of(storages.ptr(), /*keys_allowed=*/false)) {}
 
-StorageWatch::StorageWatch(const std::vector<c10::StorageImpl*>& impls) {
+StorageWatch::StorageWatch(const std::vector<c10::StorageImpl*>& impls, bool rearmable) : rearmable_(rearmable) {
   refs_.reserve(impls.size());
   const size_t n = impls.size();
   for (size_t i = 0; i < n; ++i) {
@@ -577,18 +594,32 @@ StorageWatch::StorageWatch(const std::vector<c10::StorageImpl*>& impls) {
     refs_.push_back(c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(impls[i]));
   }
   watched_.assign(refs_.size(), 1);
+  num_watched_ = num_refs_ = refs_.size();
+}
+
+bool StorageWatch::rearm(const std::vector<c10::StorageImpl*>& impls) {
+  if (!rearmable_ || num_watched_ != 0 || num_refs_ != refs_.size() || impls.size() != refs_.size()) return false;
+  // (Two arrays of addresses, read in order: no storage is touched.)
+  for (size_t i = 0; i < impls.size(); ++i) {
+    if (refs_[i]._unsafe_get_target() != impls[i]) return false;
+  }
+  watched_.assign(refs_.size(), 1);
   num_watched_ = refs_.size();
+  return true;
 }
 
 std::vector<int64_t> StorageWatch::dead() {
   std::vector<int64_t> out;
   if (num_watched_ == 0) return out;
   for (size_t i = 0; i < refs_.size(); ++i) {
+    // (A watched storage's memory is alive: the weak reference keeps it. Its refcount is what expired() reads.)
+    if (i + 8 < refs_.size() && watched_[i + 8]) __builtin_prefetch(refs_[i + 8]._unsafe_get_target());
     if (watched_[i] && refs_[i].expired()) {
       out.push_back(static_cast<int64_t>(i));
       watched_[i] = 0;
       refs_[i].reset();  // the StorageImpl's memory goes (a weak reference keeps it, not its data)
       --num_watched_;
+      --num_refs_;
     }
   }
   return out;
@@ -601,17 +632,25 @@ void StorageWatch::forget(const std::vector<int64_t>& positions) {
       watched_[static_cast<size_t>(p)] = 0;
       refs_[static_cast<size_t>(p)].reset();
       --num_watched_;
+      --num_refs_;
     }
   }
 }
 
 void StorageWatch::forget_all() {
+  if (rearmable_) {
+    // The weak references stay, for rearm(): they keep only the StorageImpls' objects, not their memory,
+    // and go with the watch (or at the first death or forget of one position).
+    std::fill(watched_.begin(), watched_.end(), 0);
+    num_watched_ = 0;
+    return;
+  }
   for (size_t i = 0; i < refs_.size(); ++i) {
     if (i + 8 < refs_.size()) __builtin_prefetch(refs_[i + 8]._unsafe_get_target(), 1);  // (its weak count)
     watched_[i] = 0;
     refs_[i].reset();
   }
-  num_watched_ = 0;
+  num_watched_ = num_refs_ = 0;
 }
 
 // -- a flat mapping's items --------------------------------------------------------------------------------

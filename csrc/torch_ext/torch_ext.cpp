@@ -127,8 +127,16 @@ void allow_one_moving(S* storage, std::string& message) {
   allow_one(storage);
 }
 
+template <typename S>
+void prefetch_refusal_of(S* storage) {
+  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
+    __builtin_prefetch(&storage->get_extra_meta(), 1);
+  }
+}
+
 }  // namespace
 
+void prefetch_refusal(c10::StorageImpl* storage) { prefetch_refusal_of(storage); }
 void refuse_access_of(c10::StorageImpl* storage, const std::string& message) { refuse_one(storage, message); }
 void allow_access_of(c10::StorageImpl* storage) { allow_one(storage); }
 void refuse_access_moving(c10::StorageImpl* storage, std::string& message) { refuse_one_moving(storage, message); }
@@ -224,8 +232,8 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def_property_readonly("has_refusals", &TargetRecord::has_refusals)
       .def_property_readonly("refusals", &TargetRecord::refusals)
       .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::arg("held") = py::none(),
-           py::return_value_policy::take_ownership,
-           "A StorageWatch over the recorded live storages of `tensors` (those `held` holds, if given).")
+           "A StorageWatch over the recorded live storages of `tensors` (those `held` holds, if given): the "
+           "record's last one, re-armed, where it watches nothing now and still has each of these storages.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)

@@ -37,6 +37,9 @@ void allow_access_of(c10::StorageImpl* storage);
 // into an empty `message` (where this torch gives the slot; a copy otherwise).
 void refuse_access_moving(c10::StorageImpl* storage, std::string& message);
 void allow_access_moving(c10::StorageImpl* storage, std::string& message);
+// Asks for the line a refusal (or its lifting) of `storage` writes, its extra meta (made if absent, as the
+// refusal would). A prefetch: the storage must be alive, nothing else changes.
+void prefetch_refusal(c10::StorageImpl* storage);
 
 // Not something the helper records (a subclass, a tensor without plain strided storage): the caller's
 // pure-Python path handles it.
@@ -84,19 +87,24 @@ class TargetRecord {
   py::list storage_data_ptrs() const;
   py::bytes storage_data_ptrs_bytes() const;  // the same as native uint64s (for CopyPlan.with_device_ptrs)
   py::list first_tensor() const;
-  // The live storages (those that held memory when recorded), in order, reached through `list` and
-  // checked to be the recorded ones (so held by the caller): resized to 0 (release) or back to their
-  // recorded sizes, or watched. ValueError, nothing changed, when a tensor moved to another storage since
-  // the last check (another thread).
+  // The live storages (those that held memory when recorded), in order, resized to 0 (release) or back
+  // to their recorded sizes, or watched.
+  // `held`: a HeldStorages of this record from check_held() on `list`. Its storages are the ones checked,
+  // and they are the ones resized or watched, even if another thread has since moved a tensor (its
+  // assignment then counts as coming after this call). Without `held` (None, spent, or another record's),
+  // the storages are reached through `list` and checked to be the recorded ones: ValueError, nothing
+  // changed, when a tensor moved to another storage since the last check.
   // With `refuse`, each storage also refuses access (release: after it is resized) or has the refusal
   // lifted (before it is resized back), in the same pass, with the messages of set_refusals().
-  // `held`: a HeldStorages of this record from check_held() on `list` (else None: reached through `list`).
   void resize_live(py::handle list, bool release, bool refuse, py::handle held);
   // One message per live storage, kept for resize_live(..., refuse=true).
   void set_refusals(py::list messages);
   bool has_refusals() const { return !parked_.empty(); }
   py::list refusals() const { return messages_; }
-  StorageWatch* watch_live(py::handle list, py::handle held) const;
+  // A StorageWatch over the live storages. The record keeps the last one it made, and hands the same one out
+  // again, re-armed, when it watches nothing now (its set was reloaded) and still has a weak reference to
+  // each of these storages: the cycle then takes and drops no reference per storage.
+  py::object watch_live(py::handle list, py::handle held);
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
   bool all_resizable() const { return all_resizable_; }
   size_t num_tensors() const { return tensors_.size(); }
@@ -143,16 +151,23 @@ class TargetRecord {
   std::vector<std::string> parked_;
   bool all_resizable_ = true;
   uint64_t id_;  // (for HeldStorages: an address may be another record's later)
+  py::object watch_;  // the last StorageWatch made by watch_live (None before)
 };
 
 // Weak references to storages: which of them died, without a Python object or callback per storage.
 class StorageWatch {
  public:
   explicit StorageWatch(py::handle storages);  // tensors or UntypedStorages
-  explicit StorageWatch(const std::vector<c10::StorageImpl*>& storages);  // alive, held by the caller
+  // `storages`: alive, held by the caller. `rearmable`: forget_all() keeps the weak references (a record's
+  // watch, see rearm()).
+  explicit StorageWatch(const std::vector<c10::StorageImpl*>& storages, bool rearmable = false);
   std::vector<int64_t> dead();  // positions that died since the last call (no longer watched)
   void forget(const std::vector<int64_t>& positions);
   void forget_all();
+  // Watches every position again, if this watch is rearmable, watches nothing now, and still holds a weak
+  // reference to each of `storages` (alive, held by the caller), in order; else false, nothing changed.
+  // (A weak reference keeps its StorageImpl's object, so an address that matches is that storage.)
+  bool rearm(const std::vector<c10::StorageImpl*>& storages);
   size_t num_watched() const { return num_watched_; }
   size_t size() const { return refs_.size(); }
 
@@ -160,6 +175,8 @@ class StorageWatch {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> refs_;
   std::vector<uint8_t> watched_;
   size_t num_watched_ = 0;
+  bool rearmable_ = false;
+  size_t num_refs_ = 0;  // positions whose weak reference is still held
 };
 
 void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator);
