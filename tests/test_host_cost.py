@@ -358,6 +358,42 @@ def test_a_dict_changed_between_calls_is_read_again(arena):
     _snapshot_matches(target, arena)
 
 
+@needs_ext
+def test_a_dicts_keys_list_is_reused_only_while_its_keys_are_the_same_objects(arena, checks):
+    if checks == "python":
+        pytest.skip("the helper's reading of a dict only")
+    # The keys list of the last read of a dict is the next read's names, where its keys are those very
+    # objects in that order (no key touched, the plan's names found by identity); any other dict, or one
+    # whose keys changed in any way, is read afresh, and the plan bound again where its names differ.
+    a, b = torch.randn(3), torch.randn(4)
+    target = {"alpha": a, "beta": b}
+    first = named_tensors(target).names
+    assert named_tensors(target).names is first
+    _warm(target, arena)
+    equal_key = "".join(["be", "ta"])  # equal, another object
+    assert id(equal_key) != id(first[1])
+    target[equal_key] = target.pop("beta")
+    got = named_tensors(target).names
+    assert got is not first and got == ["alpha", "beta"]
+    target["alpha"] = target.pop("alpha")  # the same key objects, reordered
+    got = named_tensors(target).names
+    assert got == ["beta", "alpha"]
+    _snapshot_matches(target, arena)
+    target[Key("gamma")] = torch.randn(2)  # not a str: the general path
+    assert named_tensors(target).names == ["beta", "alpha", "gamma"]
+    # A crafted list never stands for other keys: of another length, or other objects.
+    d = {"xy": a}
+    assert torch_ext.ext.plain_items(d, ["xy", "z"])[0] == ["xy"]
+    other = torch_ext.ext.plain_items(d, ["".join(["x", "y"])])[0]
+    assert other == ["xy"] and id(other[0]) == id(next(iter(d)))
+    assert torch_ext.ext.plain_items({"xy": a, "z": 3}, None) is None
+    # Dicts that come and go with reused ids read their own keys.
+    for i in range(20):
+        fresh = {f"k{i}": a, f"j{i}": b}
+        assert named_tensors(fresh).names == [f"k{i}", f"j{i}"]
+        del fresh
+
+
 # -- offloaded state ----------------------------------------------------------------------------------------
 def test_an_offloaded_storage_is_seen_through_a_cached_plan_of_another_target(arena):
     m = torch.nn.Linear(4, 4)

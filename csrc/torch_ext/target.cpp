@@ -125,6 +125,14 @@ class StorageIndex {
 // Each pass asks for the object of the tensor 2 * kAhead ahead and the TensorImpl of the one kAhead ahead.
 constexpr Py_ssize_t kAhead = 6;
 
+// Every cache line of an object of type T at `p` (it may straddle one line more than its size needs).
+template <typename T, int kWrite = 0>
+inline void prefetch_whole(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = 0; off < sizeof(T); off += 64) __builtin_prefetch(c + off, kWrite);
+  __builtin_prefetch(c + sizeof(T) - 1, kWrite);
+}
+
 // Asks for `far`'s object and `near`'s TensorImpl (either may be nullptr: past the end). Returns near's
 // TensorImpl, or nullptr when near is not a tensor: only a tensor's object is unpacked (a prefetch never
 // faults; reading a TensorImpl pointer out of another object would).
@@ -520,12 +528,15 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool
                                HeldStorages* held) {
   // Spent from here on, whatever happens: its references go one by one as their storages are resized.
   if (held != nullptr) held->spent = true;
-  // Memory-bound for small storages: each StorageImpl is asked for 2 * kAhead ahead, then, kAhead ahead,
-  // what the resize and the refusal touch beyond it: the extra meta a refusal writes and, for a CPU
-  // release, the heap chunk's header that free() reads just before the memory.
+  // Memory-bound for small storages: each StorageImpl is asked for 2 * kAhead ahead (all its lines: the
+  // allocator, the access flags and the extra meta's pointer are past the first), then, kAhead ahead, what
+  // the resize and the refusal touch beyond it: the extra meta a refusal writes and, for a CPU release, the
+  // heap chunk's header that free() reads just before the memory.
   const size_t n = impls.size(), ahead = static_cast<size_t>(kAhead);
   for (size_t k = 0; k < n; ++k) {
-    if (k + 2 * ahead < n) __builtin_prefetch(impls[k + 2 * ahead], 1);
+    if (k + 2 * ahead < n) {
+      prefetch_whole<c10::StorageImpl, 1>(impls[k + 2 * ahead]);
+    }
     if (k + ahead < n) {
       const StorageFacts& next = storages_[static_cast<size_t>(live_[k + ahead])];
       if (refuse) prefetch_refusal(impls[k + ahead]);
@@ -654,25 +665,51 @@ void StorageWatch::forget_all() {
 }
 
 // -- a flat mapping's items --------------------------------------------------------------------------------
-py::object plain_items(py::handle mapping) {
+py::object plain_items(py::handle mapping, py::handle names) {
   // (keys, values) of a dict whose keys are all str and values all plain tensors, in iteration order; None
   // otherwise (the caller's general path decides). An exact dict only: an OrderedDict's order is its own
   // linked list, not the table PyDict_Next walks.
+  // `names`: the keys list of an earlier call (or None). Where the dict's keys are those very objects, in
+  // order, it is answered as the keys (the same list): no key is touched, and a plan that kept the list
+  // finds its names by identity.
   if (!PyDict_CheckExact(mapping.ptr())) return py::none();
   PyObject* d = mapping.ptr();
   const Py_ssize_t n = PyDict_GET_SIZE(d);
-  py::list keys(n), values(n);
+  bool reuse = PyList_CheckExact(names.ptr()) && PyList_GET_SIZE(names.ptr()) == n;
+  PyObject** known = reuse ? reinterpret_cast<PyListObject*>(names.ptr())->ob_item : nullptr;
+  py::list values(n);
+  py::list keys;  // made at the first key that is not the known one (at once without known keys)
+  PyObject** kout = nullptr;
+  auto make_keys = [&](Py_ssize_t filled) {
+    keys = py::list(n);
+    kout = reinterpret_cast<PyListObject*>(keys.ptr())->ob_item;
+    for (Py_ssize_t j = 0; j < filled; ++j) {  // (the known ones so far are these very keys)
+      Py_INCREF(known[j]);
+      kout[j] = known[j];
+    }
+  };
+  if (!reuse) make_keys(0);
+  // One pass (nothing in it runs Python code: the dict cannot change under it). A slot left empty by an
+  // early return is NULL, which the list's deallocation skips.
   Py_ssize_t pos = 0, i = 0;
   PyObject *k, *v;
   while (PyDict_Next(d, &pos, &k, &v)) {
-    if (i >= n || !PyUnicode_CheckExact(k) || !plain_tensor(v)) return py::none();
-    Py_INCREF(k);
-    PyList_SET_ITEM(keys.ptr(), i, k);
+    if (i >= n || !plain_tensor(v)) return py::none();
+    if (reuse && k != known[i]) {
+      reuse = false;
+      make_keys(i);
+    }
+    if (!reuse) {
+      if (!PyUnicode_CheckExact(k)) return py::none();
+      Py_INCREF(k);
+      kout[i] = k;
+    }
     Py_INCREF(v);
     PyList_SET_ITEM(values.ptr(), i, v);
     ++i;
   }
   if (i != n) return py::none();
+  if (reuse) return py::make_tuple(names, values);
   return py::make_tuple(keys, values);
 }
 

@@ -268,7 +268,9 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("forget_all", &StorageWatch::forget_all)
       .def_property_readonly("num_watched", &StorageWatch::num_watched)
       .def("__len__", &StorageWatch::size);
-  m.def("plain_items", &plain_items, py::arg("mapping"));
+  m.def("plain_items", &plain_items, py::arg("mapping"), py::arg("names") = py::none(),
+        "(keys, values) of a dict of plain tensors under str keys, or None; `names` (an earlier call's keys) is "
+        "answered as the keys where the dict's keys are those very objects, in order.");
   m.def("any_grad", &any_grad, py::arg("tensors"), py::arg("count"));
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");

@@ -180,7 +180,7 @@ class StorageWatch {
 };
 
 void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator);
-py::object plain_items(py::handle mapping);
+py::object plain_items(py::handle mapping, py::handle names);
 bool any_grad(py::handle list, Py_ssize_t count);
 void bump_versions(py::handle list);
 

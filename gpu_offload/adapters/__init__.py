@@ -74,8 +74,11 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
     """
     if _ext is not None:
         if type(target) is dict:  # a flat dict of plain tensors under str keys, read in one C++ pass
-            items = _ext.plain_items(target)
+            known = _dict_names.get(id(target))
+            items = _ext.plain_items(target, known)
             if items is not None:
+                if items[0] is not known:
+                    _remember_dict_names(id(target), items[0])
                 return Named(*items)
         elif isinstance(target, torch.nn.Module):
             named = _recorded_module_tensors(target, include_grads)
@@ -91,6 +94,23 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
     grads: NamedTensors = []
     _collect(target, "", include_grads, out, grads, top=True, reshard=reshard)
     return Named.from_pairs(out + grads)
+
+
+# The keys lists of the last flat dicts read, by id: the next call on the same dict answers with the same list
+# where the keys are still those very objects (plain_items compares addresses, so a dict that took a dead
+# one's id gets its own list), and the plan then finds its names by identity. Few and small: the key strings.
+_dict_names: dict[int, list[str]] = {}
+_DICT_NAMES_KEPT = 8
+
+
+def _remember_dict_names(key: int, names: list[str]) -> None:
+    try:
+        _dict_names.pop(key, None)
+        while len(_dict_names) >= _DICT_NAMES_KEPT:
+            _dict_names.pop(next(iter(_dict_names)), None)
+    except (RuntimeError, StopIteration):  # another thread's call changed it meanwhile (a cache only)
+        pass
+    _dict_names[key] = names
 
 
 def gradient_tensors(target: Any) -> Named:
