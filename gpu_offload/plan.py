@@ -319,7 +319,7 @@ class TargetPlan:
         """Whether the target read now is still this plan's: the same names, the same tensor objects, each
         on the same storage viewing it the same way, each storage at the same address with the same size
         (memory freed and re-allocated at the same address with another size is not the same)."""
-        if self.names is not names and self.names != names:
+        if not self._same_names(names):
             return False
         if self.record is not None:
             return bool(self.record.check(tensors))
@@ -336,9 +336,10 @@ class TargetPlan:
         """valid() of a recorded plan, answered with the live storages it checked held (a HeldStorages, for
         the resize and watch of an offload or reload: they then need not reach them again), or None where
         valid() would be false."""
-        if self.names is not names and self.names != names:
-            return None
-        return self.record.check_held(tensors)
+        return self.record.check_held(tensors) if self._same_names(names) else None
+
+    def _same_names(self, names: list[str]) -> bool:
+        return self.names is names or self.names == names
 
     @property
     def storage_ptrs(self) -> list[int]:

@@ -651,7 +651,7 @@ void StorageWatch::forget(const std::vector<int64_t>& positions) {
 void StorageWatch::forget_all() {
   if (rearmable_) {
     // The weak references stay, for rearm(): they keep only the StorageImpls' objects, not their memory,
-    // and go with the watch (or at the first death or forget of one position).
+    // and go with the watch (or one at a time, at the death or forget of its position).
     std::fill(watched_.begin(), watched_.end(), 0);
     num_watched_ = 0;
     return;
