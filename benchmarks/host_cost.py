@@ -9,6 +9,9 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
   llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
   and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
   by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids).
+Each figure in Y twice: "Y", the call's median over the median of a block of Y passes taken before the
+calls; "Y paired", the median of each call's ratio to one Y pass timed right after it (on a shared host
+whose speed drifts within a minute, the steadier of the two).
 Nothing is asserted; this prints a table (and writes JSON with --json).
 """
 
@@ -33,21 +36,33 @@ except ImportError:  # a version without the torch-aware helper (for before/afte
     torch_ext = None  # type: ignore[assignment]
 
 
-def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2) -> list[float]:
-    out = []
+def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2,
+           y_pass: Callable[[], Any] | None = None) -> list[float] | tuple[list[float], list[float]]:
+    """Seconds per call of fn (after `warmup` untimed calls). With y_pass: also the seconds of one Y pass
+    timed right after each call, as a second list (pairs taken together follow the machine's drift)."""
+    out, ys = [], []
     for i in range(warmup + repeats):
         if setup is not None:
             setup()
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
+        if y_pass is not None:
+            t0 = time.perf_counter()
+            y_pass()
+            ys.append(time.perf_counter() - t0)
         if i >= warmup:
             out.append(dt)
+    return (out, ys[warmup:]) if y_pass is not None else out
+
+
+def _stat(samples: list[float], ys: list[float] | None = None) -> dict[str, float]:
+    out = {"median_ms": statistics.median(samples) * 1e3, "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3}
+    if ys:
+        # The median of each call's ratio to the Y pass timed just after it: on a machine whose speed drifts
+        # (a shared host), steadier than the ratio of two medians taken at different times.
+        out["Y_paired"] = statistics.median(t / y for t, y in zip(samples, ys))
     return out
-
-
-def _stat(samples: list[float]) -> dict[str, float]:
-    return {"median_ms": statistics.median(samples) * 1e3, "min_ms": min(samples) * 1e3, "max_ms": max(samples) * 1e3}
 
 
 def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
@@ -61,8 +76,14 @@ def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
 
 
 def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats: int, arena: go.Arena) -> dict[str, Any]:
-    y = _times(lambda: [t.data_ptr() for t in tensors], repeats)
+    def y_pass() -> None:
+        [t.data_ptr() for t in tensors]
+
+    y = _times(y_pass, repeats)
     out: dict[str, Any] = {"kind": kind, "num_tensors": len(tensors), "Y": _stat(y)}
+
+    def paired(fn: Callable[[], Any], n: int, **kw: Any) -> dict[str, float]:
+        return _stat(*_times(fn, n, y_pass=y_pass, **kw))
 
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
@@ -70,18 +91,18 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         if trees is not None:
             trees.clear()
 
-    out["first snapshot (uncached)"] = _stat(_times(lambda: go.snapshot(target, arena=arena).wait().free(),
-                                                    max(3, repeats // 3), setup=forget, warmup=1))
-    out["snapshot+wait+free"] = _stat(_times(lambda: go.snapshot(target, arena=arena).wait().free(), repeats))
+    out["first snapshot (uncached)"] = paired(lambda: go.snapshot(target, arena=arena).wait().free(),
+                                              max(3, repeats // 3), setup=forget, warmup=1)
+    out["snapshot+wait+free"] = paired(lambda: go.snapshot(target, arena=arena).wait().free(), repeats)
     snap = go.snapshot(target, arena=arena).wait()
-    out["restore"] = _stat(_times(lambda: go.restore(target, snap), repeats))
+    out["restore"] = paired(lambda: go.restore(target, snap), repeats)
     snap.free()
 
     def cycle() -> None:
         go.offload(target, arena=arena, empty_cache=False)
         go.reload(target)
 
-    out["offload+reload"] = _stat(_times(cycle, repeats))
+    out["offload+reload"] = paired(cycle, repeats)
     if torch_ext is not None and torch_ext.ext is not None:
         record = torch_ext.ext.record(tensors)
 
@@ -89,7 +110,7 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
             record.resize_live(tensors, True)
             record.resize_live(tensors, False)
 
-        out["allocator (in offload+reload)"] = _stat(_times(allocator, repeats))
+        out["allocator (in offload+reload)"] = paired(allocator, repeats)
     ymed = out["Y"]["median_ms"]
     for k, v in list(out.items()):
         if isinstance(v, dict) and k != "Y":
@@ -130,7 +151,7 @@ def main() -> int:
               f"({r['Y']['min_ms']:.2f}-{r['Y']['max_ms']:.2f})")
         for name, v in r.items():
             if isinstance(v, dict) and name != "Y":
-                print(f"  {name:28s} {v['median_ms']:9.3f} ms  {v['Y']:7.2f} Y   "
+                print(f"  {name:28s} {v['median_ms']:9.3f} ms  {v['Y']:7.2f} Y  {v['Y_paired']:7.2f} Y paired   "
                       f"min-max {v['min_ms']:.3f}-{v['max_ms']:.3f}")
     print(f"load average {results['load_average_start'][0]:.1f} -> {results['load_average_end'][0]:.1f}; "
           f"torch_ext: {results['torch_ext']}")

@@ -24,18 +24,43 @@ CopyPlan::CopyPlan(int device, std::vector<std::uintptr_t> device_ptrs, std::vec
                    std::vector<std::size_t> sizes, std::size_t gather_max_bytes)
     : device_(device),
       device_ptrs_(std::move(device_ptrs)),
-      host_offsets_(std::move(host_offsets)),
-      sizes_(std::move(sizes)),
+      host_offsets_(std::make_shared<const std::vector<std::size_t>>(std::move(host_offsets))),
+      sizes_(std::make_shared<const std::vector<std::size_t>>(std::move(sizes))),
       gather_max_bytes_(device >= 0 ? gather_max_bytes : 0) {
-  GO_CHECK(device_ptrs_.size() == sizes_.size() && host_offsets_.size() == sizes_.size(),
+  const std::vector<std::size_t>& offsets = *host_offsets_;
+  const std::vector<std::size_t>& sizes_of = *sizes_;
+  GO_CHECK(device_ptrs_.size() == sizes_of.size() && offsets.size() == sizes_of.size(),
            "plan arrays differ in length: " + std::to_string(device_ptrs_.size()) + " pointers, " +
-               std::to_string(host_offsets_.size()) + " offsets, " + std::to_string(sizes_.size()) + " sizes");
+               std::to_string(offsets.size()) + " offsets, " + std::to_string(sizes_of.size()) + " sizes");
   GO_CHECK(device_ >= -1, "device must be -1 (host) or a CUDA device index, got " + std::to_string(device_));
-  for (std::size_t i = 0; i < sizes_.size(); ++i) {
-    GO_CHECK(sizes_[i] == 0 || device_ptrs_[i] != 0, "null storage pointer for copy " + std::to_string(i));
-    total_bytes_ += sizes_[i];
-    host_extent_bytes_ = std::max(host_extent_bytes_, host_offsets_[i] + sizes_[i]);
-    if (sizes_[i] != 0 && sizes_[i] <= gather_max_bytes_) ++num_kernel_copies_;
+  check_device_ptrs();
+  for (std::size_t i = 0; i < sizes_of.size(); ++i) {
+    total_bytes_ += sizes_of[i];
+    host_extent_bytes_ = std::max(host_extent_bytes_, offsets[i] + sizes_of[i]);
+    if (sizes_of[i] != 0 && sizes_of[i] <= gather_max_bytes_) ++num_kernel_copies_;
+  }
+}
+
+CopyPlan CopyPlan::with_device_ptrs(std::vector<std::uintptr_t> device_ptrs) const {
+  GO_CHECK(device_ptrs.size() == sizes_->size(), "plan arrays differ in length: " + std::to_string(device_ptrs.size()) +
+                                                     " pointers for " + std::to_string(sizes_->size()) + " copies");
+  CopyPlan out;
+  out.device_ = device_;
+  out.device_ptrs_ = std::move(device_ptrs);
+  out.host_offsets_ = host_offsets_;
+  out.sizes_ = sizes_;
+  out.total_bytes_ = total_bytes_;  // (what the shared sizes and offsets sum to)
+  out.host_extent_bytes_ = host_extent_bytes_;
+  out.gather_max_bytes_ = gather_max_bytes_;
+  out.num_kernel_copies_ = num_kernel_copies_;
+  out.check_device_ptrs();
+  return out;
+}
+
+void CopyPlan::check_device_ptrs() const {
+  const std::vector<std::size_t>& sizes_of = *sizes_;
+  for (std::size_t i = 0; i < sizes_of.size(); ++i) {
+    GO_CHECK(sizes_of[i] == 0 || device_ptrs_[i] != 0, "null storage pointer for copy " + std::to_string(i));
   }
 }
 
@@ -84,9 +109,10 @@ inline void stream_copy(char* dst, const char* src, std::size_t n) { std::memcpy
 inline void stream_fence() {}
 #endif
 
-}  // namespace
-
-void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t* sizes, std::size_t n) {
+// One memcpy batch of n pieces, piece i being dst(i) <- src(i), sizes[i] bytes (the addresses computed as
+// they are needed: a plan run makes no array of them).
+template <typename Dst, typename Src>
+void copy_pieces(Dst&& dst, Src&& src, const std::size_t* sizes, std::size_t n) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < n; ++i) total += sizes[i];
   auto& pool = ThreadPool::instance();
@@ -97,10 +123,10 @@ void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t
     constexpr std::size_t kAhead = 8;
     for (std::size_t i = 0; i < n; ++i) {
       if (i + kAhead < n) {
-        __builtin_prefetch(src[i + kAhead]);
-        __builtin_prefetch(dst[i + kAhead], 1);
+        __builtin_prefetch(src(i + kAhead));
+        __builtin_prefetch(dst(i + kAhead), 1);
       }
-      if (sizes[i] != 0) std::memcpy(dst[i], src[i], sizes[i]);
+      if (sizes[i] != 0) std::memcpy(dst(i), src(i), sizes[i]);
     }
     return;
   }
@@ -112,8 +138,8 @@ void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t
     for (std::size_t i = 0; i < n && pos < end; ++i) {
       const std::size_t a = std::max(begin, pos), b = std::min(end, pos + sizes[i]);
       if (a < b) {
-        if (i + 1 < n) prefetch_head(src[i + 1], sizes[i + 1]);
-        stream_copy(static_cast<char*>(dst[i]) + (a - pos), static_cast<const char*>(src[i]) + (a - pos), b - a);
+        if (i + 1 < n) prefetch_head(src(i + 1), sizes[i + 1]);
+        stream_copy(static_cast<char*>(dst(i)) + (a - pos), static_cast<const char*>(src(i)) + (a - pos), b - a);
       }
       pos += sizes[i];
     }
@@ -121,17 +147,22 @@ void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t
   });
 }
 
+}  // namespace
+
+void parallel_memcpy(void* const* dst, const void* const* src, const std::size_t* sizes, std::size_t n) {
+  copy_pieces([dst](std::size_t i) { return dst[i]; }, [src](std::size_t i) { return src[i]; }, sizes, n);
+}
+
 void CopyPlan::run_host(Direction direction, std::uintptr_t host_base) const {
-  const std::size_t n = sizes_.size();
-  std::vector<void*> dst(n);
-  std::vector<const void*> src(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    auto* host = reinterpret_cast<void*>(host_base + host_offsets_[i]);
-    auto* dev = reinterpret_cast<void*>(device_ptrs_[i]);
-    dst[i] = direction == Direction::kToHost ? host : dev;
-    src[i] = direction == Direction::kToHost ? dev : host;
+  const std::size_t* offsets = host_offsets_->data();
+  const std::uintptr_t* devs = device_ptrs_.data();
+  auto host = [=](std::size_t i) { return reinterpret_cast<void*>(host_base + offsets[i]); };
+  auto dev = [=](std::size_t i) { return reinterpret_cast<void*>(devs[i]); };
+  if (direction == Direction::kToHost) {
+    copy_pieces(host, dev, sizes_->data(), sizes_->size());
+  } else {
+    copy_pieces(dev, host, sizes_->data(), sizes_->size());
   }
-  parallel_memcpy(dst.data(), src.data(), sizes_.data(), n);
 }
 
 cuda::EventPtr CopyPlan::run(Direction direction, std::uintptr_t host_base, std::uintptr_t stream,
@@ -150,18 +181,20 @@ cuda::EventPtr CopyPlan::run(Direction direction, std::uintptr_t host_base, std:
   cuda::Batch batch;
   batch.to_host = direction == Direction::kToHost;
   batch.host_base = host_base;
-  batch.engine.dst.reserve(sizes_.size());
-  batch.engine.src.reserve(sizes_.size());
-  batch.engine.sizes.reserve(sizes_.size());
-  for (std::size_t i = 0; i < sizes_.size(); ++i) {
-    if (sizes_[i] == 0) continue;  // nothing to move
-    auto* host = reinterpret_cast<void*>(host_base + host_offsets_[i]);
+  const std::vector<std::size_t>& sizes = *sizes_;
+  const std::vector<std::size_t>& offsets = *host_offsets_;
+  batch.engine.dst.reserve(sizes.size());
+  batch.engine.src.reserve(sizes.size());
+  batch.engine.sizes.reserve(sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) continue;  // nothing to move
+    auto* host = reinterpret_cast<void*>(host_base + offsets[i]);
     auto* dev = reinterpret_cast<void*>(device_ptrs_[i]);
-    cuda::CopyList& list = use_kernel && sizes_[i] <= gather_max_bytes_ ? batch.kernel : batch.engine;
+    cuda::CopyList& list = use_kernel && sizes[i] <= gather_max_bytes_ ? batch.kernel : batch.engine;
     if (batch.to_host) {
-      list.push(host, dev, sizes_[i]);
+      list.push(host, dev, sizes[i]);
     } else {
-      list.push(dev, host, sizes_[i]);
+      list.push(dev, host, sizes[i]);
     }
   }
   return cuda::copy_batch(device_, batch, stream, waits, stream_waits);

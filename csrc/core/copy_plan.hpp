@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cuda_backend.hpp"
@@ -23,12 +24,11 @@ class CopyPlan {
 
   // The same copies from or to other device addresses (the storages were released and allocated again): the
   // host offsets and sizes are kept, the pointers checked as the constructor checks them.
-  CopyPlan with_device_ptrs(std::vector<std::uintptr_t> device_ptrs) const {
-    return CopyPlan(device_, std::move(device_ptrs), host_offsets_, sizes_, gather_max_bytes_);
-  }
+  // The offsets and sizes are shared, not copied (a reload rebases a plan of every storage of its target).
+  CopyPlan with_device_ptrs(std::vector<std::uintptr_t> device_ptrs) const;
 
   int device() const { return device_; }
-  std::size_t num_copies() const { return sizes_.size(); }
+  std::size_t num_copies() const { return sizes_->size(); }
   std::size_t num_kernel_copies() const { return num_kernel_copies_; }
   std::size_t gather_max_bytes() const { return gather_max_bytes_; }
   std::size_t total_bytes() const { return total_bytes_; }
@@ -42,12 +42,14 @@ class CopyPlan {
                      const std::vector<cuda::EventPtr>& waits, bool stream_waits) const;
 
  private:
+  CopyPlan() = default;
+  void check_device_ptrs() const;
   void run_host(Direction direction, std::uintptr_t host_base) const;
 
-  int device_;
+  int device_ = -1;
   std::vector<std::uintptr_t> device_ptrs_;
-  std::vector<std::size_t> host_offsets_;
-  std::vector<std::size_t> sizes_;
+  std::shared_ptr<const std::vector<std::size_t>> host_offsets_;  // (immutable: shared by rebased plans)
+  std::shared_ptr<const std::vector<std::size_t>> sizes_;
   std::size_t total_bytes_ = 0;
   std::size_t host_extent_bytes_ = 0;
   std::size_t gather_max_bytes_ = 0;

@@ -78,6 +78,31 @@ TEST_CASE(rejects_inconsistent_arrays) {
   CHECK_THROWS(CopyPlan(-1, {0}, {0}, {16}));
 }
 
+TEST_CASE(a_rebased_plan_copies_at_its_own_addresses_and_leaves_the_first_as_it_was) {
+  // with_device_ptrs shares the offsets and sizes: both plans must still copy exactly their own storages.
+  std::vector<unsigned char> a(24), b(24);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<unsigned char>(i + 1);
+  const std::vector<std::size_t> sizes = {16, 0, 8};
+  CopyPlan first(-1, {reinterpret_cast<std::uintptr_t>(a.data()), 0, reinterpret_cast<std::uintptr_t>(a.data() + 16)},
+                 {64, 96, 0}, sizes);
+  CopyPlan rebased = first.with_device_ptrs(
+      {reinterpret_cast<std::uintptr_t>(b.data()), 0, reinterpret_cast<std::uintptr_t>(b.data() + 16)});
+  CHECK(rebased.num_copies() == 3 && rebased.total_bytes() == 24 && rebased.host_extent_bytes() == 96);
+  HostArena arena(0, 1u << 20, PinMode::kNone);
+  auto region = arena.allocate(first.host_extent_bytes());
+  first.run(Direction::kToHost, region, 0, {}, true);
+  rebased.run(Direction::kToDevice, region, 0, {}, true);
+  CHECK(b == a);
+  for (auto& x : b) x = 0;
+  rebased.run(Direction::kToHost, region, 0, {}, true);  // zeros, through the rebased plan ...
+  first.run(Direction::kToDevice, region, 0, {}, true);  // ... into the first plan's storages
+  CHECK(a == std::vector<unsigned char>(24, 0));
+  CHECK_THROWS(first.with_device_ptrs({1, 0}));  // one address per copy
+  CHECK_THROWS(first.with_device_ptrs({1, 0, 0}));  // a null address for a copy of 8 bytes
+  CHECK(first.with_device_ptrs({1, 0, 2}).total_bytes() == 24);  // (a copy of 0 bytes may have none)
+  arena.free(region);
+}
+
 #ifndef GPU_OFFLOAD_TEST_NO_CUDA
 TEST_CASE(device_plan_without_cuda_is_a_clear_error) {
   if (cuda::available()) return;  // covered by the Python CUDA tests on a GPU machine

@@ -413,12 +413,16 @@ py::list TargetRecord::storage_data_ptrs() const {
 }
 
 py::bytes TargetRecord::storage_data_ptrs_bytes() const {
-  std::string out(storages_.size() * sizeof(uint64_t), '\0');
-  for (size_t j = 0; j < storages_.size(); ++j) {
+  // Written into the bytes object itself (no intermediate copy: a target may have many storages).
+  const size_t n = storages_.size();
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n * sizeof(uint64_t)));
+  if (out == nullptr) throw py::error_already_set();
+  char* at = PyBytes_AS_STRING(out);
+  for (size_t j = 0; j < n; ++j) {
     const uint64_t p = reinterpret_cast<uintptr_t>(storages_[j].data);
-    std::memcpy(&out[j * sizeof(uint64_t)], &p, sizeof(p));
+    std::memcpy(at + j * sizeof(uint64_t), &p, sizeof(p));
   }
-  return py::bytes(out);
+  return py::reinterpret_steal<py::bytes>(out);
 }
 
 py::list TargetRecord::first_tensor() const {
@@ -498,15 +502,18 @@ void TargetRecord::set_refusals(py::list messages) {
 void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::handle held) {
   if (refuse && parked_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
   HeldStorages* h = usable_held(held);
-  const std::vector<c10::StorageImpl*> impls = live_storages(list, h);
-  for (size_t k = 0; k < impls.size(); ++k) {
+  // The held storages are read where they are held (no copy); without them, reached through the list.
+  const std::vector<c10::StorageImpl*> reached = h != nullptr ? std::vector<c10::StorageImpl*>() : live_storages(list);
+  const size_t n = h != nullptr ? h->refs.size() : reached.size();
+  for (size_t k = 0; k < n; ++k) {
     // (The recorded device: these are the recorded storages, and a storage's device never changes. A CPU
     // storage is not read here, which would be a miss per storage before the resize's own.)
     const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
     if (!one_pass_device(facts.device)) throw py::value_error("resize_live: CPU and CUDA storages only");
     const size_t want = facts.recorded_nbytes;
-    if (!release && !facts.device.is_cpu() && !resizes_empty(impls[k], want)) {
-      throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(impls[k]->nbytes()) +
+    c10::StorageImpl* impl = h != nullptr ? h->refs[k].get() : reached[k];
+    if (!release && !facts.device.is_cpu() && !resizes_empty(impl, want)) {
+      throw py::value_error("resize_live: a CUDA storage holds " + std::to_string(impl->nbytes()) +
                             " bytes, neither 0 nor its " + std::to_string(want));
     }
   }
@@ -515,7 +522,7 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::h
   // as after a Python loop. The record follows each storage as it is resized (what refresh() would read),
   // so it is exact even after a failure.
   try {
-    resize_each(impls, release, refuse, h);
+    resize_each(reached, release, refuse, h);
   } catch (const c10::OutOfMemoryError& e) {
     // torch.OutOfMemoryError, as UntypedStorage.resize_ raises it (swap() falls back on it), not pybind11's
     // RuntimeError.
@@ -524,35 +531,38 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::h
   }
 }
 
-void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse,
+void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse,
                                HeldStorages* held) {
   // Spent from here on, whatever happens: its references go one by one as their storages are resized.
   if (held != nullptr) held->spent = true;
+  // (A held reference is reset once its storage is resized: those ahead are still there.)
+  auto impl_at = [&](size_t k) { return held != nullptr ? held->refs[k].get() : reached[k]; };
   // Memory-bound for small storages: each StorageImpl is asked for 2 * kAhead ahead (all its lines: the
   // allocator, the access flags and the extra meta's pointer are past the first), then, kAhead ahead, what
   // the resize and the refusal touch beyond it: the extra meta a refusal writes and, for a CPU release, the
   // heap chunk's header that free() reads just before the memory.
-  const size_t n = impls.size(), ahead = static_cast<size_t>(kAhead);
+  const size_t n = held != nullptr ? held->refs.size() : reached.size(), ahead = static_cast<size_t>(kAhead);
   for (size_t k = 0; k < n; ++k) {
     if (k + 2 * ahead < n) {
-      prefetch_whole<c10::StorageImpl, 1>(impls[k + 2 * ahead]);
+      prefetch_whole<c10::StorageImpl, 1>(impl_at(k + 2 * ahead));
     }
     if (k + ahead < n) {
       const StorageFacts& next = storages_[static_cast<size_t>(live_[k + ahead])];
-      if (refuse) prefetch_refusal(impls[k + ahead]);
+      if (refuse) prefetch_refusal(impl_at(k + ahead));
       if (release && next.device.is_cpu() && next.data != nullptr) {
         __builtin_prefetch(static_cast<const char*>(next.data) - 2 * sizeof(size_t), 1);
       }
     }
     StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    c10::StorageImpl* impl = impl_at(k);
     // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
-    if (refuse && !release) allow_access_moving(impls[k], parked_[k]);
-    resize_empty(impls[k], release ? 0 : facts.recorded_nbytes);
-    facts.data = data_of(impls[k]);
-    facts.nbytes = impls[k]->nbytes();
+    if (refuse && !release) allow_access_moving(impl, parked_[k]);
+    resize_empty(impl, release ? 0 : facts.recorded_nbytes);
+    facts.data = data_of(impl);
+    facts.nbytes = impl->nbytes();
     if (refuse && release) {
       if (parked_[k].empty()) parked_[k] = messages_[k].cast<std::string>();
-      refuse_access_moving(impls[k], parked_[k]);
+      refuse_access_moving(impl, parked_[k]);
     }
     // (The target's tensors hold it too: this only drops the check's reference, while its line is at hand.)
     if (held != nullptr) held->refs[k].reset();

@@ -138,7 +138,8 @@ class TargetRecord {
   // The held storages (when not nullptr), else live_storages(list).
   std::vector<c10::StorageImpl*> live_storages(py::handle list, HeldStorages* held) const;
   void summarize();  // all_resizable_ from the storages' facts
-  void resize_each(const std::vector<c10::StorageImpl*>& impls, bool release, bool refuse, HeldStorages* held);
+  // resize_live's pass over `held`'s storages where it is not nullptr, else over `reached`.
+  void resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse, HeldStorages* held);
   std::vector<TensorFacts> tensors_;
   std::vector<int64_t> dims_;
   std::vector<StorageFacts> storages_;
