@@ -125,11 +125,17 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", type=str, default=None)
     p.add_argument("--only", choices=["dict", "module", "llm"], action="append")
+    p.add_argument("--import-deepspeed", action="store_true",
+                   help="import DeepSpeed first (DS_ACCELERATOR=cpu), as OpenRLHF does: the module rows then show "
+                        "what a process with DeepSpeed loaded pays")
     args = p.parse_args()
+    if args.import_deepspeed:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: F401
     arena = go.Arena()
     only = set(args.only or ["dict", "module", "llm"])
     results: dict[str, Any] = {"load_average_start": os.getloadavg(), "torch": torch.__version__,
-                               "torch_ext": _ext_state()}
+                               "torch_ext": _ext_state(), "deepspeed_imported": "deepspeed" in sys.modules}
     if "dict" in only:
         d = {f"t{i}": torch.empty(4) for i in range(args.tensors)}
         results["dict"] = measure_target("dict", d, list(d.values()), args.repeats, arena)

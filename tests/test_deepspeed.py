@@ -463,6 +463,35 @@ def test_verl_slots_over_a_deepspeed_actor() -> None:
 # ------------------------------------------------------------------------------------- detection
 
 
+def check_recorded_then_converted(rank: int, world_size: int) -> tuple[list[str], list[str], list[str]]:
+    _forget_stale_groups()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from gpu_offload.adapters import named_tensors
+
+    model = build_model(0, torch.float32)
+    first = named_tensors(model)
+    if go.torch_ext.ext is not None and go.torch_ext.ext.MODULE_TREE:
+        # Served from its record although DeepSpeed is imported (not walked in Python again) ...
+        assert named_tensors(model).names is first.names
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    # (zero.Init converts the parameters alone: the modules' dicts, which the record covers, stay as they were.)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    # ... and, once ZeRO-3 converted its parameters in place, named as ZeRO-3 names them: the partitions.
+    after = named_tensors(model)
+    with go.snapshot(model) as snap:
+        snapped = list(snap.names)
+    return list(first.names), list(after.names), snapped
+
+
+def test_a_recorded_module_that_zero3_converts_in_place_is_named_by_zero3() -> None:
+    (result,) = run_ranks(check_recorded_then_converted, 1, timeout=300)
+    plain, after, snapped = result
+    assert not any(n.endswith(".ds_tensor") for n in plain)
+    assert any(n.endswith(".ds_tensor") for n in after), after[:8]
+    assert [n for n in after if n.endswith(".ds_tensor")] == [n for n in snapped if n.endswith(".ds_tensor")]
+
+
 def test_detection_and_errors() -> None:
     plain = torch.nn.Linear(2, 2)
     assert not ds_adapter.is_deepspeed(plain) and not ds_adapter.is_deepspeed(torch.optim.SGD(plain.parameters()))

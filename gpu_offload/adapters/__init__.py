@@ -20,6 +20,7 @@ special case here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import weakref
@@ -211,17 +212,18 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     recorded traversal, if nothing it depends on changed (the modules' classes and their _parameters,
     _buffers and _modules dicts, see csrc/torch_ext/module_tree.cpp), else walked and recorded again in
     C++. None where that does not apply (the caller walks it in Python): no helper or Python without
-    dict version tags, DeepSpeed imported (ZeRO-3 marks parameters in place), a strategy wrapper,
-    anything but a plain traversal, or grads asked for while some parameter has one."""
-    if not _ext.MODULE_TREE or "deepspeed" in sys.modules:
+    dict version tags, a strategy wrapper, a module whose parameters ZeRO-3 converted, anything but a plain
+    traversal, or grads asked for while some parameter has one."""
+    if not _ext.MODULE_TREE:
         return None
     entry = _trees.get(module)
     tensors = entry[0].tensors(module, include_grads) if entry is not None else None
     if tensors is False:  # (asked for grads, and a parameter has one: found in the same pass)
         return None
     if entry is None or tensors is None:
-        # The strategy depends only on the modules' classes, which the record covers.
-        if strategy_of(module) is not PLAIN_MODULE:
+        # The strategy depends only on the modules' classes, which the record covers, and on whether
+        # ZeRO-3 converted the parameters, asked below over the recorded ones (not in a Python walk).
+        if _strategy_but_zero3(module) is not PLAIN_MODULE:
             return None
         built = _ext.build_module_tree(module, torch.nn.Module)
         if built is None:
@@ -230,7 +232,20 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
         entry = _trees[module] = (tree, names, num_params)
         if include_grads and _ext.any_grad(tensors, num_params):
             return None
+    if "deepspeed" in sys.modules and deepspeed.any_zero3_param(itertools.islice(tensors, entry[2])):
+        # ZeRO-3 converts a module's parameters in place (their attributes, not the modules' dicts that the
+        # record covers): what is_zero3_module asks, on every call, in one C-level pass. (The record stays:
+        # the next call finds the same answer as cheaply.)
+        return None
     return Named(entry[1], tensors)
+
+
+def _strategy_but_zero3(obj: Any) -> Optional[Strategy]:
+    """strategy_of(obj) without ZeRO-3's recognizer (the one that walks every parameter)."""
+    for strategy in STRATEGIES:
+        if strategy is not deepspeed.ZERO3_MODULE and strategy.recognizes(obj):
+            return strategy
+    return None
 
 
 def plain_module_tensors(module: torch.nn.Module, *, include_grads: bool) -> NamedTensors:

@@ -34,9 +34,10 @@ engine whose states DeepSpeed's own ``offload_states`` has moved (reload them fi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -112,7 +113,12 @@ def is_zero3_module(module: Any) -> bool:
     """True for a module whose parameters ZeRO-3 partitions (they carry ``ds_tensor``)."""
     if "deepspeed" not in sys.modules or not isinstance(module, torch.nn.Module):
         return False
-    return any(hasattr(p, "ds_tensor") for p in module.parameters())
+    return any_zero3_param(module.parameters())
+
+
+def any_zero3_param(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of these parameters is one ZeRO-3 converted (it carries ``ds_tensor``)."""
+    return any(map(hasattr, params, itertools.repeat("ds_tensor")))
 
 
 def is_deepspeed(obj: Any) -> bool:
