@@ -138,7 +138,7 @@ def shard_info(target: Any) -> Optional[str]:
     optimizers, DeepSpeed), as canonical JSON keyed by part index; None when nothing in it is sharded."""
     info: dict[str, Any] = {}
     for i, part in enumerate(parts(target)):
-        strategy = strategy_of(part)
+        strategy = _recorded_strategy(part) or strategy_of(part)
         if strategy is not None and strategy.shard_info is not None:
             part_info = strategy.shard_info(part)
             if part_info is not None:
@@ -238,6 +238,21 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
         # the next call finds the same answer as cheaply.)
         return None
     return Named(entry[1], tensors)
+
+
+def _recorded_strategy(obj: Any) -> Optional[Strategy]:
+    """strategy_of(obj) for a module with DeepSpeed imported whose recorded traversal is still valid, without
+    ZeRO-3's Python walk of every parameter (asked over the recorded ones); None where that does not apply."""
+    if "deepspeed" not in sys.modules or not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
+        return None
+    entry = _trees.get(obj)
+    if entry is None or _strategy_but_zero3(obj) is not PLAIN_MODULE:
+        return None
+    tensors = entry[0].tensors(obj, False)
+    if tensors is None or tensors is False:
+        return None
+    # (Every recognizer before the plain module's but ZeRO-3's said no: it is one of those two.)
+    return deepspeed.ZERO3_MODULE if deepspeed.any_zero3_param(itertools.islice(tensors, entry[2])) else PLAIN_MODULE
 
 
 def _strategy_but_zero3(obj: Any) -> Optional[Strategy]:
