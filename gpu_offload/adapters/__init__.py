@@ -232,12 +232,16 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
         entry = _trees[module] = (tree, names, num_params)
         if include_grads and _ext.any_grad(tensors, num_params):
             return None
-    if "deepspeed" in sys.modules and deepspeed.any_zero3_param(itertools.islice(tensors, entry[2])):
-        # ZeRO-3 converts a module's parameters in place (their attributes, not the modules' dicts that the
-        # record covers): what is_zero3_module asks, on every call, in one C-level pass. (The record stays:
-        # the next call finds the same answer as cheaply.)
+    if _converted_by_zero3(tensors, entry[2]):  # (the record stays: the next call finds the same as cheaply)
         return None
     return Named(entry[1], tensors)
+
+
+def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:
+    """Whether ZeRO-3 converted any of a record's parameters (its first num_params tensors). ZeRO-3 converts
+    them in place (their attributes, not the modules' dicts that the record covers): this is what
+    is_zero3_module asks, in one C-level pass."""
+    return "deepspeed" in sys.modules and deepspeed.any_zero3_param(itertools.islice(tensors, num_params))
 
 
 def _recorded_strategy(obj: Any) -> Optional[Strategy]:
@@ -246,13 +250,12 @@ def _recorded_strategy(obj: Any) -> Optional[Strategy]:
     if "deepspeed" not in sys.modules or not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
         return None
     entry = _trees.get(obj)
-    if entry is None or _strategy_but_zero3(obj) is not PLAIN_MODULE:
-        return None
-    tensors = entry[0].tensors(obj, False)
+    tensors = entry[0].tensors(obj, False) if entry is not None else None
     if tensors is None or tensors is False:
         return None
-    # (Every recognizer before the plain module's but ZeRO-3's said no: it is one of those two.)
-    return deepspeed.ZERO3_MODULE if deepspeed.any_zero3_param(itertools.islice(tensors, entry[2])) else PLAIN_MODULE
+    # A record is made only of a module every recognizer but ZeRO-3's calls plain, and it covers the classes
+    # they ask about: while it holds, the module is one of those two.
+    return deepspeed.ZERO3_MODULE if _converted_by_zero3(tensors, entry[2]) else PLAIN_MODULE
 
 
 def _strategy_but_zero3(obj: Any) -> Optional[Strategy]:
