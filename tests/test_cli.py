@@ -547,12 +547,14 @@ def test_sizes_refuse_the_rest(text: str) -> None:
 
 def test_info_refuses_a_bad_thread_count(workdir: Path) -> None:
     """GPU_OFFLOAD_NUM_THREADS is read by the core, once per process (so only in a fresh one): anything but a
-    positive integer is refused, by `info` and by the first arena, instead of becoming one thread."""
-    for value in ("abc", "0", "-2", "4x"):
-        proc = run_cli("info", cwd=workdir, env=_env(GPU_OFFLOAD_NUM_THREADS=value), module=True)
-        assert proc.returncode == 2 and proc.stdout == "", (value, proc.stdout, proc.stderr)
-        assert "Traceback" not in proc.stderr
-        assert f"GPU_OFFLOAD_NUM_THREADS='{value}' is not a positive integer" in proc.stderr, proc.stderr
+    positive integer is refused, by `info` and by the first arena, instead of becoming one thread. (Which
+    values are refused is the C++ test a_thread_count_is_a_positive_integer_or_refused: each value here is
+    an interpreter started.)"""
+    value = "4x"
+    proc = run_cli("info", cwd=workdir, env=_env(GPU_OFFLOAD_NUM_THREADS=value), module=True)
+    assert proc.returncode == 2 and proc.stdout == "", (value, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert f"GPU_OFFLOAD_NUM_THREADS='{value}' is not a positive integer" in proc.stderr, proc.stderr
     code = "import gpu_offload as go\ntry:\n    go.Arena()\nexcept go.OffloadError as e:\n    print('refused:', e)"
     proc = subprocess.run([sys.executable, "-c", code], env=_env(GPU_OFFLOAD_NUM_THREADS="abc"), capture_output=True,
                           text=True, timeout=TIMEOUT, cwd=workdir)

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "check.hpp"
 #include "core/arena.hpp"
 #include "core/errors.hpp"
+#include "core/thread_pool.hpp"
 
 using gpu_offload::HostArena;
 using gpu_offload::PinMode;
@@ -440,6 +442,37 @@ TEST_CASE(sizes_past_int64_are_refused_before_rounding_can_wrap_them) {
   CHECK_THROWS(arena.reserve(SIZE_MAX - 4095));
   CHECK_THROWS(arena.allocate(std::size_t{1} << 63));
   CHECK(arena.stats().capacity_bytes == 0);
+}
+
+// GPU_OFFLOAD_NUM_THREADS, read by configured_threads() at each call (the pool reads it once, at its first
+// use): a positive integer, at most 16 taken; anything else refused with the value named. (test_cli runs one
+// bad value end to end, through `info` and a first Arena.)
+TEST_CASE(a_thread_count_is_a_positive_integer_or_refused) {
+  const char* before = std::getenv("GPU_OFFLOAD_NUM_THREADS");
+  const std::string saved = before != nullptr ? before : "";
+  auto with = [](const char* value) {
+    setenv("GPU_OFFLOAD_NUM_THREADS", value, 1);
+    return gpu_offload::ThreadPool::configured_threads();
+  };
+  CHECK(with("1") == 1);
+  CHECK(with("3") == 3);
+  CHECK(with("16") == 16);
+  CHECK(with("64") == 16);  // capped, not refused
+  CHECK(with("") == std::min<std::size_t>(std::max(1u, std::thread::hardware_concurrency()), 16));  // unset
+  for (const char* bad : {"abc", "0", "-2", "4x", " 4", "+4", "1e3", "9999999999"}) {
+    std::string what;
+    try {
+      with(bad);
+    } catch (const gpu_offload::Error& e) {
+      what = e.what();
+    }
+    CHECK(what.find("GPU_OFFLOAD_NUM_THREADS='" + std::string(bad) + "' is not a positive integer") != std::string::npos);
+  }
+  if (before != nullptr) {
+    setenv("GPU_OFFLOAD_NUM_THREADS", saved.c_str(), 1);
+  } else {
+    unsetenv("GPU_OFFLOAD_NUM_THREADS");
+  }
 }
 
 int main() { return check::run_all(); }
