@@ -247,9 +247,13 @@ lock = _fork.track(_Lock())
 
 def prune() -> None:
     """Drops the records of dead storages and releases their share of the region (call with the lock held).
-    With the helper, one C++ pass over each set's weak references."""
+    With the helper, one C++ pass over each set's weak references. Once nothing is offloaded, the global
+    forward hook goes too (a model dropped while offloaded leaves it: every module call in the process would
+    otherwise pass through it, and torch.compile warn of it, until one found nothing offloaded)."""
     if not _sets:
         _dead.clear()
+        if _global_hook is not None:
+            _remove_global_hook(force=True)
         return
     for s in list(_sets):
         dead = s.dead()
@@ -268,6 +272,8 @@ def prune() -> None:
             _release_positions(s, [pos])
         if _dead.get(item) is ref:  # forgotten only once handled
             del _dead[item]
+    if not _sets and _global_hook is not None:
+        _remove_global_hook(force=True)
 
 
 def _release_positions(s: OffloadedSet, positions: list[int]) -> None:

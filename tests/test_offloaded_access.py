@@ -323,6 +323,27 @@ def test_the_global_hook_goes_when_an_offloaded_model_is_dropped(arena):
     other(torch.ones(1, 4))  # the hook finds nothing offloaded and removes itself
     assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
     assert arena.used_bytes == 0
+    # Or at the engine's next call, before any module runs: it drops the dead storages, and with them the hook.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    go.offload(model, arena=arena)
+    del model
+    gc.collect()
+    assert ours in torch.nn.modules.module._global_forward_pre_hooks.values()
+    assert go.offloaded_bytes() == 0
+    assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
+    # One model dropped of two offloaded: the hook stays for the other.
+    kept, dropped = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    go.offload(kept, arena=arena)
+    go.offload(dropped, arena=arena)
+    del dropped
+    gc.collect()
+    assert go.offloaded_bytes() == 4 * 4 * 4 + 4 * 4
+    assert ours in torch.nn.modules.module._global_forward_pre_hooks.values()
+    with pytest.raises(go.OffloadError, match="cannot run Linear"):
+        kept(torch.ones(1, 4))
+    go.reload(kept)
+    assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
+    assert arena.used_bytes == 0
 
 
 @needs_guard
