@@ -518,7 +518,8 @@ def _submodules_hooked() -> bool:
 
 def _install_global_hook() -> None:
     global _global_hook
-    if _global_hook is None:
+    # (A handle whose hook is gone, left by an interrupt inside _remove_global_hook, is replaced.)
+    if _global_hook is None or _global_hook.id not in torch.nn.modules.module._global_forward_pre_hooks:
         _global_hook = torch.nn.modules.module.register_module_forward_pre_hook(_global_forward_guard)
 
 
@@ -528,8 +529,10 @@ def _remove_global_hook(force: bool = False) -> None:
     global _global_hook
     handle = _global_hook
     if handle is not None and (force or not any(isinstance(top, torch.nn.Module) for top in list(_guards.keys()))):
-        _global_hook = None
+        # The hook first, then the handle: an interrupt in between leaves a handle of no hook, which the next
+        # install replaces (the other order could leave a hook that no handle removes).
         handle.remove()
+        _global_hook = None
         _clear.clear()
 
 

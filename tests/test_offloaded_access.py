@@ -347,6 +347,25 @@ def test_the_global_hook_goes_when_an_offloaded_model_is_dropped(arena):
 
 
 @needs_guard
+def test_a_global_hook_handle_left_by_an_interrupted_removal_is_replaced(arena):
+    # An interrupt right after the hook's removal, before its handle is forgotten: the next offload installs
+    # the hook again instead of trusting the stale handle (its module would otherwise run unguarded by it).
+    ours = _registry._global_forward_guard
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    go.offload(model, arena=arena)
+    try:
+        _registry._global_hook.remove()  # what the interrupt leaves: a handle whose hook is gone
+        assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
+        other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        go.offload(other, arena=arena)
+        assert list(torch.nn.modules.module._global_forward_pre_hooks.values()).count(ours) == 1
+        go.reload(other)
+    finally:
+        go.reload(model)
+    assert ours not in torch.nn.modules.module._global_forward_pre_hooks.values()
+
+
+@needs_guard
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
 def test_a_module_compiled_while_another_is_offloaded_traces_the_global_hook_to_nothing(arena):
     # The global hook runs for every module call in the process while a module is offloaded; inside a compiled
