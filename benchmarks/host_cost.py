@@ -9,9 +9,12 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
   llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
   and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
   by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids).
+  and "checks (in offload+reload)": the two validations a cycle makes before anything moves (the target
+  read, then its cached plan checked, holding its storages: without, then with its grads), alone.
 Each figure in Y twice: "Y", the call's median over the median of a block of Y passes taken before the
-calls; "Y paired", the median of each call's ratio to one Y pass timed right after it (on a shared host
-whose speed drifts within a minute, the steadier of the two).
+calls; "Y paired", the median of each call's ratio to a Y pass timed right after it, the second of two
+(on a shared host whose speed drifts within a minute, the steadier of the two; the first pass absorbs
+what the call leaves behind, glibc's deferred consolidation of freed chunks and evicted caches).
 Nothing is asserted; this prints a table (and writes JSON with --json).
 """
 
@@ -38,8 +41,9 @@ except ImportError:  # a version without the torch-aware helper (for before/afte
 
 def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2,
            y_pass: Callable[[], Any] | None = None) -> list[float] | tuple[list[float], list[float]]:
-    """Seconds per call of fn (after `warmup` untimed calls). With y_pass: also the seconds of one Y pass
-    timed right after each call, as a second list (pairs taken together follow the machine's drift)."""
+    """Seconds per call of fn (after `warmup` untimed calls). With y_pass: also the seconds of a Y pass
+    timed right after each call (the second of two), as a second list (pairs taken together follow the
+    machine's drift)."""
     out, ys = [], []
     for i in range(warmup + repeats):
         if setup is not None:
@@ -48,6 +52,10 @@ def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None 
         fn()
         dt = time.perf_counter() - t0
         if y_pass is not None:
+            # Two passes, the second timed: the first takes what the call left for whoever allocates next
+            # (glibc consolidates the chunks torch's allocator freed at the next large request) and caches
+            # the call evicted. Timing the first would inflate Y by the call's own deferred work.
+            y_pass()
             t0 = time.perf_counter()
             y_pass()
             ys.append(time.perf_counter() - t0)
@@ -111,6 +119,16 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
             record.resize_live(tensors, False)
 
         out["allocator (in offload+reload)"] = paired(allocator, repeats)
+
+    def checks() -> None:  # what offload, then reload, asks of the cached target before a byte moves
+        for grads in (False, True):
+            resolved = plan.cached(adapters.named_tensors(target, include_grads=grads), hold=True)
+            assert resolved is not None, "the target's plan is not cached"
+
+    if hasattr(plan, "cached"):  # (absent in older versions)
+        go.offload(target, arena=arena, empty_cache=False)  # the plan as a cycle finds it
+        go.reload(target)
+        out["checks (in offload+reload)"] = paired(checks, repeats)
     ymed = out["Y"]["median_ms"]
     for k, v in list(out.items()):
         if isinstance(v, dict) and k != "Y":

@@ -198,6 +198,25 @@ def test_a_wide_module_is_read_as_torch_reads_it_and_a_change_at_any_child_is_se
     _snapshot_matches(m, arena)
 
 
+def test_a_recorded_traversal_names_tensors_as_torch_does_whatever_the_characters(arena):
+    # The record builds ASCII prefixes in a byte buffer and falls back to str objects at the first name
+    # that is not ASCII (a module's or a tensor's, at any depth, 1- to 4-byte characters).
+    m = torch.nn.Module()
+    m.ascii = torch.nn.Linear(2, 2)
+    m.add_module("é", torch.nn.Linear(2, 2))
+    m.add_module("深", torch.nn.ModuleDict({"plain": torch.nn.Linear(2, 1), "𝛼": torch.nn.Linear(1, 1)}))
+    m.ascii.register_buffer("β", torch.ones(1))
+    m.ascii.add_module("kid", torch.nn.Module())
+    m.ascii.kid.register_parameter("γ", torch.nn.Parameter(torch.ones(2)))
+    m.ascii.kid.register_parameter("delta", torch.nn.Parameter(torch.ones(2)))
+    m.register_parameter("ω", torch.nn.Parameter(torch.ones(3)))
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert any(not n.isascii() for n, _ in truth) and any("." in n and n.isascii() for n, _ in truth)
+    for _ in range(2):  # recorded, then served from the record
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

@@ -125,7 +125,9 @@ class Builder {
     base_.getattribute = lookup(module_type, "__getattribute__");
   }
 
-  // false: not a plain traversal (the caller walks the module in Python).
+  // false: not a plain traversal (the caller walks the module in Python). The module's prefix is `prefix`,
+  // or, where it is nullptr, path_: while every name on the way down is ASCII (the usual case) a module's
+  // prefix is bytes in one buffer, and only its tensors' names become str objects.
   bool visit(PyObject* module, PyObject* prefix, int depth, bool root) {
     if (depth > 256) return false;  // a cycle, or deeper than any model: Python decides
     PyTypeObject* type = Py_TYPE(module);
@@ -181,7 +183,18 @@ class Builder {
       warm_ahead(first_kid, num_kids, k);
       // (kids_ may grow, and move, while a child is visited: copied out first.)
       const auto [kid_name, kid] = kids_[first_kid + k];
-      py::object child_prefix = join(prefix, kid_name);
+      if (prefix == nullptr && PyUnicode_IS_ASCII(kid_name)) {
+        const size_t at = path_.size();
+        if (at != 0) path_.push_back('.');
+        path_.append(reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(kid_name)),
+                     static_cast<size_t>(PyUnicode_GET_LENGTH(kid_name)));
+        const bool ok = visit(kid, nullptr, depth + 1, false);
+        path_.resize(at);
+        if (!ok) return false;
+        continue;
+      }
+      py::object base = prefix != nullptr ? py::reinterpret_borrow<py::object>(prefix) : path_str();
+      py::object child_prefix = join(base.ptr(), kid_name);
       if (!visit(kid, child_prefix.ptr(), depth + 1, false)) return false;
     }
     kids_.resize(first_kid);
@@ -299,13 +312,39 @@ class Builder {
     return py::reinterpret_steal<py::object>(full);
   }
 
+  // path_ as a str.
+  py::object path_str() const {
+    PyObject* out = PyUnicode_FromStringAndSize(path_.data(), static_cast<Py_ssize_t>(path_.size()));
+    if (out == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(out);
+  }
+
+  // "path_.name" for an ASCII name, in one allocation straight from the buffer.
+  py::object join_path(PyObject* name) {
+    const size_t a = path_.size(), b = static_cast<size_t>(PyUnicode_GET_LENGTH(name));
+    if (a == 0) return py::reinterpret_borrow<py::object>(name);
+    PyObject* full = PyUnicode_New(static_cast<Py_ssize_t>(a + 1 + b), 127);
+    if (full == nullptr) throw py::error_already_set();
+    char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
+    std::memcpy(out, path_.data(), a);
+    out[a] = '.';
+    std::memcpy(out + a + 1, PyUnicode_1BYTE_DATA(name), b);
+    return py::reinterpret_steal<py::object>(full);
+  }
+
+  // A module's tensors under `prefix` (nullptr: path_), as visit() reads it.
   bool members(PyObject* dict, PyObject* prefix, std::vector<py::object>& names, std::vector<py::object>& values) {
     Py_ssize_t pos = 0;
     PyObject *name, *value;
     while (PyDict_Next(dict, &pos, &name, &value)) {
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(name) || !THPVariable_Check(value)) return false;
-      names.push_back(join(prefix, name));
+      if (prefix == nullptr && PyUnicode_IS_ASCII(name)) {
+        names.push_back(join_path(name));
+      } else {
+        py::object base = prefix != nullptr ? py::reinterpret_borrow<py::object>(prefix) : path_str();
+        names.push_back(join(base.ptr(), name));
+      }
       values.push_back(py::reinterpret_borrow<py::object>(value));
     }
     return true;
@@ -317,6 +356,7 @@ class Builder {
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
+  std::string path_;  // the prefix of the module being visited, while it is ASCII (see visit)
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
 };
 
@@ -327,8 +367,7 @@ bool module_tree_supported() { return true; }
 py::object build_module_tree(py::handle root, py::handle module_type) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
   Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()));
-  py::object empty = py::reinterpret_steal<py::object>(PyUnicode_FromString(""));
-  if (!b.visit(root.ptr(), empty.ptr(), 0, true)) return py::none();
+  if (!b.visit(root.ptr(), nullptr, 0, true)) return py::none();
   return b.result();
 }
 
