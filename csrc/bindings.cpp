@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/arena.hpp"
 #include "core/checksum.hpp"
@@ -138,6 +140,18 @@ void bind_sim(py::module_& m) {
 }
 #endif
 
+// A contiguous buffer of native 64-bit addresses (bytes of uint64s) as a vector.
+std::vector<std::uintptr_t> addresses_of(const py::buffer& ptrs, const char* what) {
+  const py::buffer_info info = ptrs.request();
+  const std::size_t nbytes = static_cast<std::size_t>(info.size * info.itemsize);
+  if (info.ndim != 1 || info.strides[0] != info.itemsize || nbytes % sizeof(std::uintptr_t) != 0) {
+    throw py::value_error(std::string(what) + ": expected a contiguous buffer of 64-bit addresses");
+  }
+  std::vector<std::uintptr_t> addresses(nbytes / sizeof(std::uintptr_t));
+  if (nbytes != 0) std::memcpy(addresses.data(), info.ptr, nbytes);
+  return addresses;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -259,19 +273,22 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, std::vector<std::uintptr_t>, std::vector<std::size_t>, std::vector<std::size_t>, std::size_t>(),
            py::arg("device"), py::arg("device_ptrs"), py::arg("host_offsets"), py::arg("sizes"),
            py::arg("gather_max_bytes") = 0)
+      // The device addresses as a buffer of native uint64s (the torch-aware helper's
+      // storage_data_ptrs_bytes()): no Python int per storage on a target's first call. (bytes is no sequence
+      // to pybind11's list caster, so the overload above never takes it.)
+      .def(py::init([](int device, const py::buffer& ptrs, std::vector<std::size_t> host_offsets,
+                       std::vector<std::size_t> sizes, std::size_t gather_max_bytes) {
+             return CopyPlan(device, addresses_of(ptrs, "CopyPlan"), std::move(host_offsets), std::move(sizes),
+                             gather_max_bytes);
+           }),
+           py::arg("device"), py::arg("device_ptrs"), py::arg("host_offsets"), py::arg("sizes"),
+           py::arg("gather_max_bytes") = 0)
       .def(
           "with_device_ptrs",
           [](const CopyPlan& plan, const py::buffer& ptrs) {
             // A buffer of native uint64 addresses (e.g. the torch-aware helper's storage_data_ptrs_bytes()),
             // not a list: no Python int per storage either way.
-            const py::buffer_info info = ptrs.request();
-            const std::size_t nbytes = static_cast<std::size_t>(info.size * info.itemsize);
-            if (info.ndim != 1 || info.strides[0] != info.itemsize || nbytes % sizeof(std::uintptr_t) != 0) {
-              throw py::value_error("with_device_ptrs: expected a contiguous buffer of 64-bit addresses");
-            }
-            std::vector<std::uintptr_t> addresses(nbytes / sizeof(std::uintptr_t));
-            if (nbytes != 0) std::memcpy(addresses.data(), info.ptr, nbytes);
-            return plan.with_device_ptrs(std::move(addresses));
+            return plan.with_device_ptrs(addresses_of(ptrs, "with_device_ptrs"));
           },
           py::arg("device_ptrs"),
           "The same copies with other device addresses (one per copy, as a buffer of native 64-bit addresses).")

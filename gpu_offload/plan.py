@@ -211,7 +211,8 @@ class TargetPlan:
                  plain: Optional[list[torch.Tensor]] = None) -> None:
         self.names = names
         self.layout: Layout = bound.layout
-        self.keys = bound.keys
+        # The storages' keys; None: the record's, read when first asked for (see keys).
+        self._keys: Optional[list[int]] = bound.keys_read
         _, layout_nbytes, devices, self.host_offsets = bound.layout.storage_columns
         # The helper's record of plain targets (exact Tensor/Parameter): it checks identity itself, so the
         # cache key needs only the count and the two ends. The C++ bind made one as it read the target.
@@ -221,6 +222,8 @@ class TargetPlan:
             self.record = bound.record
             self.storage_nbytes = layout_nbytes  # (what it read)
         else:
+            if self._keys is None:
+                self._keys = bound.keys
             self.storage_nbytes = [s.nbytes() for s in bound.storages]
             self._storage_ptrs = data_ptrs(bound.storages)
             if _ext is not None and tensors and plain is tensors:
@@ -340,6 +343,13 @@ class TargetPlan:
 
     def _same_names(self, names: list[str]) -> bool:
         return self.names is names or self.names == names
+
+    @property
+    def keys(self) -> list[int]:
+        """Each storage's key (its StorageImpl's address), in the layout's storage order."""
+        if self._keys is None:
+            self._keys = self.record.keys()
+        return self._keys
 
     @property
     def storage_ptrs(self) -> list[int]:
@@ -462,11 +472,14 @@ class TargetPlan:
             raise OffloadError("the target has CUDA tensors but gpu_offload was built without CUDA; "
                                "reinstall with nvcc available (GPU_OFFLOAD_CUDA=1)")
         gather = gather_max_bytes()
-        ptrs, sizes, groups = self.storage_ptrs, self._sizes, []
+        sizes, groups = self._sizes, []
         for device, idx in self._groups:
             if idx is None:
+                # A record's addresses as one buffer (current: the record follows its storages' resizes).
+                ptrs = self.record.storage_data_ptrs_bytes() if self.record is not None else self.storage_ptrs
                 groups.append((device, _C.CopyPlan(device, ptrs, host_offsets, sizes, gather)))
             else:
+                ptrs = self.storage_ptrs
                 groups.append((device, _C.CopyPlan(device, [ptrs[i] for i in idx], [host_offsets[i] for i in idx],
                                                    [sizes[i] for i in idx], gather)))
         return CopyPlans(groups)
@@ -762,7 +775,10 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering. (A
     # record read the sizes it holds; the Python bind may have had them overridden.)
     layout_nbytes = bound.layout.storage_columns[1]
-    if (cache and all(itertools.compress(plan.storage_ptrs, layout_nbytes))
+    # (A record answers in one C++ pass what the pointers say, making no Python int per storage.)
+    at_addresses = (plan.record.all_sized_have_memory() if plan.record is not None
+                    else all(itertools.compress(plan.storage_ptrs, layout_nbytes)))
+    if (cache and at_addresses
             and (plan.record is not None or list(map(torch.UntypedStorage.nbytes, bound.storages)) == layout_nbytes)
             and extent_problem(bound.layout) is None):
         with _cache_lock:

@@ -187,16 +187,26 @@ class Layout:
 class Bound:
     """A layout together with the live storages of the target it was read from (same order)."""
 
-    def __init__(self, layout: Layout, storages: Optional[list[torch.UntypedStorage]], keys: list[int],
+    def __init__(self, layout: Layout, storages: Optional[list[torch.UntypedStorage]], keys: Optional[list[int]],
                  record: Any = None, tensors: Optional[list[torch.Tensor]] = None,
                  first_tensor: Optional[list[int]] = None) -> None:
         self.layout = layout
-        self.keys = keys  # the storages' identities (StorageImpl addresses), stable while they live
+        # The storages' identities (StorageImpl addresses), stable while they live; None: the record's, read
+        # when first asked for (a snapshot of a target nothing is offloaded from never asks).
+        self._keys = keys
         # The helper's TargetRecord of the tensors, where the C++ bind read them.
         self.record = record
+        if keys is None and record is None:
+            raise ValueError("Bound: keys, or a record to read them from")
         self._storages = storages
         self._tensors = tensors  # (plain; with first_tensor, reach the storages when asked for)
         self.first_tensor = first_tensor
+
+    @property
+    def keys(self) -> list[int]:
+        if self._keys is None:
+            self._keys = self.record.keys()
+        return self._keys
 
     @property
     def storages(self) -> list[torch.UntypedStorage]:
@@ -204,6 +214,11 @@ class Bound:
             tensors = self._tensors
             self._storages = [tensors[i].untyped_storage() for i in self.first_tensor]
         return self._storages
+
+    @property
+    def keys_read(self) -> Optional[list[int]]:
+        """The keys where they were read already, else None (not made just for this)."""
+        return self._keys
 
     @property
     def storages_read(self) -> Optional[list[torch.UntypedStorage]]:
@@ -293,7 +308,7 @@ def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optiona
             layout = Layout.from_columns(names, record.tensor_columns,
                                          (list(map(names.__getitem__, first)), nbytes, devices, hosts),
                                          host_bytes, extent)
-            return Bound(layout, None, record.keys(), record=record, tensors=tensors, first_tensor=first)
+            return Bound(layout, None, None, record=record, tensors=tensors, first_tensor=first)
     seen_names: set[str] = set()
     index_of: dict[int, int] = {}
     storages: list[torch.UntypedStorage] = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpu_offload as go
-from gpu_offload import plan
+from gpu_offload import plan, torch_ext
 
 # Every test runs with the torch-aware helper and with the pure-Python path (conftest.checks).
 pytestmark = pytest.mark.usefixtures("checks")
@@ -274,6 +274,65 @@ def test_a_copy_plan_rebased_to_new_addresses_copies_to_them():
         old.with_device_ptrs(array.array("Q", [a2.data_ptr()]))
     with pytest.raises(ValueError, match="64-bit addresses"):
         old.with_device_ptrs(b"\x00" * 12)
+
+
+def test_a_copy_plan_made_from_a_buffer_of_addresses_is_the_one_made_from_a_list():
+    # A recorded target's first call hands its addresses as one buffer (no Python int per storage).
+    import array
+
+    from gpu_offload._ext import _C
+    a, b, a2, b2 = torch.arange(4.0), torch.arange(8.0), torch.zeros(4), torch.zeros(8)
+    host = torch.zeros(64, dtype=torch.uint8)
+    plan_ = _C.CopyPlan(-1, array.array("Q", [a.data_ptr(), b.data_ptr()]), [0, 16], [16, 32])
+    listed = _C.CopyPlan(-1, [a.data_ptr(), b.data_ptr()], [0, 16], [16, 32])
+    for p in (plan_, listed):
+        assert (p.num_copies, p.total_bytes, p.host_extent_bytes) == (2, 48, 48)
+    plan_.run(True, host.data_ptr())
+    _C.CopyPlan(-1, array.array("Q", [a2.data_ptr(), b2.data_ptr()]).tobytes(), [0, 16], [16, 32]).run(
+        False, host.data_ptr())
+    assert torch.equal(a2, a) and torch.equal(b2, b)
+    # Bad input is refused as from a list: before anything is copied, saying what is wrong.
+    with pytest.raises(go.OffloadError, match="null storage pointer"):
+        _C.CopyPlan(-1, array.array("Q", [a.data_ptr(), 0]), [0, 16], [16, 32])
+    with pytest.raises(go.OffloadError, match=r"check `.*` failed at copy_plan\.cpp:\d+"):
+        _C.CopyPlan(-1, array.array("Q", [a.data_ptr()]), [0, 16], [16, 32])
+    with pytest.raises(ValueError, match="64-bit addresses"):
+        _C.CopyPlan(-1, b"\x00" * 12, [0], [4])
+
+
+def test_a_plans_keys_are_its_storages_however_late_they_are_read(arena):
+    # A recorded target's keys are read from its record only when something asks (an offload, the registry):
+    # they are the storages' identities, in the layout's order, shared views and tied tensors once.
+    base = torch.arange(6.0)
+    ts = {"a": base[:3], "b": torch.ones(2), "c": base[3:], "d": torch.zeros(4)}
+    go.snapshot(ts, arena=arena).wait().free()
+    found = plan.lookup(list(ts), list(ts.values()))
+    assert found is not None
+    assert found.keys == [base.untyped_storage()._cdata, ts["b"].untyped_storage()._cdata,
+                          ts["d"].untyped_storage()._cdata]
+    go.offload(ts, arena=arena)
+    assert go.is_offloaded(ts)
+    go.reload(ts)
+    assert torch.equal(ts["c"], torch.arange(3.0, 6.0))
+
+
+@pytest.mark.skipif(not torch_ext.available(), reason="the helper's records only")
+def test_a_record_says_whether_its_sized_storages_have_memory_as_their_pointers_do():
+    import itertools
+
+    ts = [torch.ones(3), torch.empty(0), torch.ones(2)]
+    record = torch_ext.ext.record(ts)
+
+    def by_pointers() -> bool:
+        return all(itertools.compress(record.storage_data_ptrs(), record.storage_nbytes()))
+
+    assert record.all_sized_have_memory() is True and by_pointers()
+    record.resize_live(ts, True)  # released: no bytes, no memory, nothing missing
+    assert record.storage_nbytes() == [0, 0, 0]
+    assert record.all_sized_have_memory() is True and by_pointers()
+    record.resize_live(ts, False)
+    assert record.all_sized_have_memory() is True and by_pointers()
+    assert record.storage_nbytes() == [12, 0, 8]
 
 
 def test_the_copies_after_a_reload_are_rebased_and_right(arena, monkeypatch, checks):

@@ -425,6 +425,13 @@ py::bytes TargetRecord::storage_data_ptrs_bytes() const {
   return py::reinterpret_steal<py::bytes>(out);
 }
 
+bool TargetRecord::all_sized_have_memory() const {
+  for (const StorageFacts& s : storages_) {
+    if (s.nbytes != 0 && s.data == nullptr) return false;
+  }
+  return true;
+}
+
 py::list TargetRecord::first_tensor() const {
   py::list out(first_tensor_.size());
   for (size_t j = 0; j < first_tensor_.size(); ++j) out[j] = py::int_(first_tensor_[j]);

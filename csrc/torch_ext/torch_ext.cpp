@@ -218,6 +218,7 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("storage_nbytes", &TargetRecord::storage_nbytes)
       .def("storage_data_ptrs", &TargetRecord::storage_data_ptrs)
       .def("storage_data_ptrs_bytes", &TargetRecord::storage_data_ptrs_bytes)
+      .def("all_sized_have_memory", &TargetRecord::all_sized_have_memory)
       .def("first_tensor", &TargetRecord::first_tensor)
       .def("tensor_columns", &TargetRecord::tensor_columns,
            "(storage index, offset, shape, stride, dtype) of each tensor, as recorded.")

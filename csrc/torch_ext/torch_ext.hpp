@@ -86,6 +86,8 @@ class TargetRecord {
   py::list storage_nbytes() const;
   py::list storage_data_ptrs() const;
   py::bytes storage_data_ptrs_bytes() const;  // the same as native uint64s (for CopyPlan.with_device_ptrs)
+  // Whether every storage that holds bytes has memory at an address (what storage_data_ptrs() would say).
+  bool all_sized_have_memory() const;
   py::list first_tensor() const;
   // The live storages (those that held memory when recorded), in order, resized to 0 (release) or back
   // to their recorded sizes, or watched.
