@@ -1,7 +1,7 @@
 """Host cost of the engine's calls on targets of many tiny tensors (the copies themselves cost nothing), in
 ms and in Y, Y being one Python pass `[t.data_ptr() for t in ts]` over the same tensors in the same run.
 
-    .venv/bin/python benchmarks/host_cost.py [--tensors 65536] [--repeats 15] [--json out.json]
+    .venv/bin/python benchmarks/host_cost.py [--tensors 65536] [--repeats 15] [--json out.json] [--one-process]
 
 Measures (each the median of --repeats calls, with the slowest/fastest spread):
   dict / module (a tree of nn.Linear(2, 2, bias=False), 256 per block, the shape of an MoE's experts):
@@ -146,12 +146,50 @@ def main() -> int:
     p.add_argument("--import-deepspeed", action="store_true",
                    help="import DeepSpeed first (DS_ACCELERATOR=cpu), as OpenRLHF does: the module rows then show "
                         "what a process with DeepSpeed loaded pays")
+    p.add_argument("--one-process", action="store_true",
+                   help="measure every target in this process, one after the other (by default each runs in a "
+                        "process of its own: a target built on the heap the one before it left is scattered "
+                        "over it, and every figure of it moves, Y's too, by up to 2x)")
     args = p.parse_args()
+    only = set(args.only or ["dict", "module", "llm"])
+    if len(only) > 1 and not args.one_process:
+        results = _in_own_processes(args, [k for k in ("dict", "module", "llm") if k in only])
+    else:
+        results = _measure(args, only)
+    _print(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _in_own_processes(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
+    """Each target measured by this script in a fresh process, in order; their results merged."""
+    import subprocess
+    import tempfile
+
+    merged: dict[str, Any] = {"load_average_start": os.getloadavg(), "processes": "one per target"}
+    for kind in kinds:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = [sys.executable, os.path.abspath(__file__), "--only", kind, "--tensors", str(args.tensors),
+                   "--repeats", str(args.repeats), "--json", out.name]
+            if args.import_deepspeed:
+                cmd.append("--import-deepspeed")
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            with open(out.name) as f:
+                part = json.load(f)
+        for key in ("torch", "torch_ext", "deepspeed_imported"):
+            merged.setdefault(key, part[key])
+        merged.update({k: v for k, v in part.items() if isinstance(v, dict) and "num_tensors" in v})
+    merged["load_average_end"] = os.getloadavg()
+    return merged
+
+
+def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
     if args.import_deepspeed:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed  # noqa: F401
     arena = go.Arena()
-    only = set(args.only or ["dict", "module", "llm"])
     results: dict[str, Any] = {"load_average_start": os.getloadavg(), "torch": torch.__version__,
                                "torch_ext": _ext_state(), "deepspeed_imported": "deepspeed" in sys.modules}
     if "dict" in only:
@@ -167,6 +205,10 @@ def main() -> int:
         t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4]) for i, shape in enumerate(layout.shapes)}
         results["llm339"] = measure_target("dict", t, list(t.values()), max(args.repeats, 51), arena)
     results["load_average_end"] = os.getloadavg()
+    return results
+
+
+def _print(results: dict[str, Any]) -> None:
     for key in ("dict", "module", "llm339"):
         r = results.get(key)
         if r is None:
@@ -179,10 +221,6 @@ def main() -> int:
                       f"min-max {v['min_ms']:.3f}-{v['max_ms']:.3f}")
     print(f"load average {results['load_average_start'][0]:.1f} -> {results['load_average_end'][0]:.1f}; "
           f"torch_ext: {results['torch_ext']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
 
 
 def _ext_state() -> str:
