@@ -2,6 +2,7 @@
 ms and in Y, Y being one Python pass `[t.data_ptr() for t in ts]` over the same tensors in the same run.
 
     .venv/bin/python benchmarks/host_cost.py [--tensors 65536] [--repeats 15] [--json out.json] [--one-process]
+        [--device cuda]
 
 Measures (each the median of --repeats calls, with the slowest/fastest spread):
   dict / module (a tree of nn.Linear(2, 2, bias=False), 256 per block, the shape of an MoE's experts):
@@ -88,10 +89,17 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         [t.data_ptr() for t in tensors]
 
     y = _times(y_pass, repeats)
-    out: dict[str, Any] = {"kind": kind, "num_tensors": len(tensors), "Y": _stat(y)}
+    out: dict[str, Any] = {"kind": kind, "num_tensors": len(tensors), "Y": _stat(y),
+                           "device": str(tensors[0].device) if tensors else "cpu"}
+    # On a GPU each call is timed until it returns (the host's share; snapshot+wait also waits for its
+    # copies), the device idle before it (untimed), so that no call waits on the one before it.
+    settle = torch.cuda.synchronize if tensors and tensors[0].is_cuda else None
 
-    def paired(fn: Callable[[], Any], n: int, **kw: Any) -> dict[str, float]:
-        return _stat(*_times(fn, n, y_pass=y_pass, **kw))
+    def paired(fn: Callable[[], Any], n: int, setup: Callable[[], Any] | None = None, **kw: Any) -> dict[str, float]:
+        if settle is not None:
+            before = setup
+            setup = (lambda: (before(), settle())) if before is not None else settle
+        return _stat(*_times(fn, n, setup=setup, y_pass=y_pass, **kw))
 
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
@@ -143,6 +151,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", type=str, default=None)
     p.add_argument("--only", choices=["dict", "module", "llm"], action="append")
+    p.add_argument("--device", default="cpu",
+                   help="where the tensors live (cuda: torch's caching allocator in the allocator row)")
     p.add_argument("--import-deepspeed", action="store_true",
                    help="import DeepSpeed first (DS_ACCELERATOR=cpu), as OpenRLHF does: the module rows then show "
                         "what a process with DeepSpeed loaded pays")
@@ -172,7 +182,7 @@ def _in_own_processes(args: argparse.Namespace, kinds: list[str]) -> dict[str, A
     for kind in kinds:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [sys.executable, os.path.abspath(__file__), "--only", kind, "--tensors", str(args.tensors),
-                   "--repeats", str(args.repeats), "--json", out.name]
+                   "--repeats", str(args.repeats), "--device", args.device, "--json", out.name]
             if args.import_deepspeed:
                 cmd.append("--import-deepspeed")
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -193,16 +203,16 @@ def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average_start": os.getloadavg(), "torch": torch.__version__,
                                "torch_ext": _ext_state(), "deepspeed_imported": "deepspeed" in sys.modules}
     if "dict" in only:
-        d = {f"t{i}": torch.empty(4) for i in range(args.tensors)}
+        d = {f"t{i}": torch.empty(4, device=args.device) for i in range(args.tensors)}
         results["dict"] = measure_target("dict", d, list(d.values()), args.repeats, arena)
         del d
     if "module" in only:
-        m = make_module(args.tensors)
+        m = make_module(args.tensors).to(args.device)
         results["module"] = measure_target("module", m, list(m.parameters()), args.repeats, arena)
         del m
     if "llm" in only:
         layout = bench.load_layout("qwen1.5b", dtype="float32")
-        t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4]) for i, shape in enumerate(layout.shapes)}
+        t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4], device=args.device) for i, shape in enumerate(layout.shapes)}
         results["llm339"] = measure_target("dict", t, list(t.values()), max(args.repeats, 51), arena)
     results["load_average_end"] = os.getloadavg()
     return results
@@ -213,7 +223,7 @@ def _print(results: dict[str, Any]) -> None:
         r = results.get(key)
         if r is None:
             continue
-        print(f"{key}: {r['num_tensors']} tensors, Y = {r['Y']['median_ms']:.2f} ms "
+        print(f"{key}: {r['num_tensors']} tensors on {r.get('device', 'cpu')}, Y = {r['Y']['median_ms']:.2f} ms "
               f"({r['Y']['min_ms']:.2f}-{r['Y']['max_ms']:.2f})")
         for name, v in r.items():
             if isinstance(v, dict) and name != "Y":
