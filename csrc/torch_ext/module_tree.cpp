@@ -193,8 +193,7 @@ class Builder {
         if (!ok) return false;
         continue;
       }
-      py::object base = prefix != nullptr ? py::reinterpret_borrow<py::object>(prefix) : path_str();
-      py::object child_prefix = join(base.ptr(), kid_name);
+      py::object child_prefix = join_prefix(prefix, kid_name);
       if (!visit(kid, child_prefix.ptr(), depth + 1, false)) return false;
     }
     kids_.resize(first_kid);
@@ -291,45 +290,47 @@ class Builder {
     return root ? root_ok : ok;
   }
 
+  // "prefix.name" for an ASCII prefix (`a` bytes) and an ASCII name, in one allocation straight from the
+  // bytes; the name itself under an empty prefix.
+  static py::object join_ascii(const char* prefix, size_t a, PyObject* name) {
+    if (a == 0) return py::reinterpret_borrow<py::object>(name);
+    const size_t b = static_cast<size_t>(PyUnicode_GET_LENGTH(name));
+    PyObject* full = PyUnicode_New(static_cast<Py_ssize_t>(a + 1 + b), 127);
+    if (full == nullptr) throw py::error_already_set();
+    char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
+    std::memcpy(out, prefix, a);
+    out[a] = '.';
+    std::memcpy(out + a + 1, PyUnicode_1BYTE_DATA(name), b);
+    return py::reinterpret_steal<py::object>(full);
+  }
+
   py::object join(PyObject* prefix, PyObject* name) {
     // "prefix.name" in one allocation (two PyUnicode_Concat calls made a string each; a traversal makes
-    // one name per module and per tensor).
+    // one name per tensor, and one per module whose prefix is not ASCII).
     const Py_ssize_t a = PyUnicode_GET_LENGTH(prefix), b = PyUnicode_GET_LENGTH(name);
     if (a == 0) return py::reinterpret_borrow<py::object>(name);
     const Py_UCS4 widest = std::max(PyUnicode_MAX_CHAR_VALUE(prefix), PyUnicode_MAX_CHAR_VALUE(name));
+    if (widest < 128) {  // ASCII, the usual case: plain bytes
+      return join_ascii(reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(prefix)), static_cast<size_t>(a), name);
+    }
     PyObject* full = PyUnicode_New(a + 1 + b, widest);
     if (full == nullptr) throw py::error_already_set();
-    if (widest < 128) {  // ASCII, the usual case: plain bytes
-      char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
-      std::memcpy(out, PyUnicode_1BYTE_DATA(prefix), static_cast<size_t>(a));
-      out[a] = '.';
-      std::memcpy(out + a + 1, PyUnicode_1BYTE_DATA(name), static_cast<size_t>(b));
-    } else if (PyUnicode_CopyCharacters(full, 0, prefix, 0, a) < 0 || PyUnicode_WriteChar(full, a, '.') < 0 ||
-               PyUnicode_CopyCharacters(full, a + 1, name, 0, b) < 0) {
+    if (PyUnicode_CopyCharacters(full, 0, prefix, 0, a) < 0 || PyUnicode_WriteChar(full, a, '.') < 0 ||
+        PyUnicode_CopyCharacters(full, a + 1, name, 0, b) < 0) {
       Py_DECREF(full);
       throw py::error_already_set();
     }
     return py::reinterpret_steal<py::object>(full);
   }
 
-  // path_ as a str.
-  py::object path_str() const {
-    PyObject* out = PyUnicode_FromStringAndSize(path_.data(), static_cast<Py_ssize_t>(path_.size()));
-    if (out == nullptr) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(out);
-  }
-
-  // "path_.name" for an ASCII name, in one allocation straight from the buffer.
-  py::object join_path(PyObject* name) {
-    const size_t a = path_.size(), b = static_cast<size_t>(PyUnicode_GET_LENGTH(name));
-    if (a == 0) return py::reinterpret_borrow<py::object>(name);
-    PyObject* full = PyUnicode_New(static_cast<Py_ssize_t>(a + 1 + b), 127);
-    if (full == nullptr) throw py::error_already_set();
-    char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
-    std::memcpy(out, path_.data(), a);
-    out[a] = '.';
-    std::memcpy(out + a + 1, PyUnicode_1BYTE_DATA(name), b);
-    return py::reinterpret_steal<py::object>(full);
+  // "prefix.name", the prefix as visit() has it (nullptr: path_, made a str only for a name not ASCII).
+  py::object join_prefix(PyObject* prefix, PyObject* name) {
+    if (prefix != nullptr) return join(prefix, name);
+    if (PyUnicode_IS_ASCII(name)) return join_ascii(path_.data(), path_.size(), name);
+    PyObject* path = PyUnicode_FromStringAndSize(path_.data(), static_cast<Py_ssize_t>(path_.size()));
+    if (path == nullptr) throw py::error_already_set();
+    py::object path_object = py::reinterpret_steal<py::object>(path);
+    return join(path_object.ptr(), name);
   }
 
   // A module's tensors under `prefix` (nullptr: path_), as visit() reads it.
@@ -339,12 +340,7 @@ class Builder {
     while (PyDict_Next(dict, &pos, &name, &value)) {
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(name) || !THPVariable_Check(value)) return false;
-      if (prefix == nullptr && PyUnicode_IS_ASCII(name)) {
-        names.push_back(join_path(name));
-      } else {
-        py::object base = prefix != nullptr ? py::reinterpret_borrow<py::object>(prefix) : path_str();
-        names.push_back(join(base.ptr(), name));
-      }
+      names.push_back(join_prefix(prefix, name));
       values.push_back(py::reinterpret_borrow<py::object>(value));
     }
     return true;
