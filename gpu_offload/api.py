@@ -45,7 +45,8 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
 
     writes: the call will write into the target's storages (FSDP units left unsharded are resharded
     first, so that a stale unsharded copy cannot shadow what is written). hold: the call resizes the live
-    storages (offload): a cached plan's check holds them for it.
+    storages (offload) or keeps them alive past its return (an overlapped snapshot): a cached plan's check
+    holds them for it.
     """
     resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
                              shard_info=lambda: shard_info(target), hold=hold)
@@ -73,14 +74,6 @@ def _refuse_offloaded(resolved: _plan.Resolved, op: str) -> None:
     if plan.released:  # emptied by an offload that is no longer registered, yet not reloaded
         name = plan.layout.storage_columns[0][plan.live[0]] if plan.live else "the target"
         raise OffloadError(f"cannot {op}: {name}: its memory was released and not brought back; reload it first")
-
-
-def _first_views(resolved: _plan.Resolved) -> list[torch.Tensor]:
-    """One tensor viewing each of the target's storages that holds memory (for the allocator's record_stream)."""
-    if all(d.type != "cuda" for d in resolved.layout.devices):
-        return []
-    first, (_, nbytes, devices, _) = resolved.plan.first_tensor, resolved.layout.storage_columns
-    return [resolved.tensors[first[i]] for i, (n, d) in enumerate(zip(nbytes, devices)) if n and d >= 0]
 
 
 def _empty_cache(devices: list[torch.device]) -> None:
@@ -133,7 +126,8 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
     start = time.perf_counter()
     arena = arena if arena is not None else default_arena()
     with _registry.lock:  # an offload in another thread cannot release the storages under the copy
-        resolved = _resolve_live(target, include_grads, "snapshot", writes=False)
+        # (Overlapped: a cached target's check holds its storages, which the copies' bookkeeping keeps.)
+        resolved = _resolve_live(target, include_grads, "snapshot", writes=False, hold=overlap)
         layout = resolved.layout
         if overlap:
             plans, buffers = resolved.plan.overlap_copies(_buffer_indices(target, resolved))
@@ -155,8 +149,9 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
         try:
             # Later work does not wait for the copy: keep the sources alive until it has read them, and
             # tell the allocator in case someone releases their memory anyway (resize_(0)).
-            _plan.mark_in_use(_first_views(resolved), to_host=True)
-            _overlap.defer(events, resolved.storages())
+            _plan.mark_live_in_use(resolved, to_host=True)
+            # (The storages the check held where it holds them: no Python object per storage.)
+            _overlap.defer(events, resolved.held if resolved.held is not None else resolved.storages())
         except BaseException:
             snap.free()
             raise
@@ -380,7 +375,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             # The copies are enqueued before the memory is released and the current stream waits for them;
             # the allocator is told too (it would otherwise hand a block back to the stream that allocated
             # it, which need not be the current one), so no block is reused before it has been read.
-            _plan.mark_in_use(_first_views(resolved), to_host=True)
+            _plan.mark_live_in_use(resolved, to_host=True)
             # Touching offloaded state raises: the storages refuse access to their data (in the release's
             # own pass where the helper resizes, else one C++ call by key: the target's tensors hold them),
             # the target's modules and optimizers raise OffloadError when used.

@@ -27,7 +27,7 @@ from ._errors import OffloadError
 @dataclass
 class _Entry:
     events: list[Any]  # one per device
-    sources: list[Any]  # the source storages: alive until the copies have read them
+    sources: Any  # the source storages (a list, or the helper's HeldStorages): alive until the copies have read them
     joined: set[tuple[int, int]] = field(default_factory=set)  # (device, torch's own stream) already waiting
 
 
@@ -107,13 +107,14 @@ def _step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     join()
 
 
-def defer(events: Sequence[Any], sources: Sequence[Any] = ()) -> None:
+def defer(events: Sequence[Any], sources: Any = ()) -> None:
     """Records copies that the next join() on each stream must wait for, with their source storages (kept
-    alive until the copies have completed); installs the optimizer-step guard once."""
+    alive until the copies have completed: a sequence of them, or anything that holds them, as the
+    helper's HeldStorages does); installs the optimizer-step guard once."""
     global _hook
     with _lock:
         _pending[:] = [e for e in _pending if _in_flight(e)]  # bounded even when nothing ever joins
-        _pending.append(_Entry(list(events), list(sources)))
+        _pending.append(_Entry(list(events), list(sources) if isinstance(sources, (list, tuple)) else sources))
         if _hook is None:
             # From the submodule itself: torch 2.13's torch.optim no longer has it as an attribute.
             from torch.optim.optimizer import register_optimizer_step_pre_hook

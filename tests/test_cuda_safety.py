@@ -26,6 +26,7 @@ import torch
 import gpu_offload as go
 from conftest import assert_bitwise_equal
 from cuda_gates import engine_stream, hold, ran, recorded, settle, warm
+from gpu_offload import adapters
 from gpu_offload import overlap as _overlap
 from gpu_offload import plan as _plan
 from gpu_offload._ext import _C
@@ -483,15 +484,28 @@ def _ready(arena: go.Arena, num_bytes: int = 0) -> None:
     torch.cuda.synchronize()
 
 
+def _helper_recorded() -> bool:
+    from gpu_offload import torch_ext
+
+    return torch_ext.ext is not None
+
+
 @cuda
-def test_1_offload_under_a_side_stream_keeps_the_block_from_the_allocating_stream(arena):
+@pytest.mark.parametrize("cached", [False, True], ids=["first-call", "cached-plan"])
+def test_1_offload_under_a_side_stream_keeps_the_block_from_the_allocating_stream(arena, cached):
     """The model lives on the default stream; offload runs under a side stream. The allocator hands a
-    freed block back to the stream that allocated it, which does not wait for the copy."""
+    freed block back to the stream that allocated it, which does not wait for the copy. Cached: the
+    offload of a cached plan, whose check holds the storages (the helper records them on the copy stream
+    in one pass over those)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     _ready(arena, 64 * _MIB)
     model = {"w": torch.randn(_floats(64), device="cuda")}  # allocated on the default stream
     expected = model["w"].clone()
+    if cached:  # the reload allocates on the default stream again, and leaves the plan cached
+        go.offload(model, arena=arena, empty_cache=False)
+        go.reload(model)
+        assert _plan.cached(adapters.named_tensors(model, include_grads=False)) is not None
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with hold(side) as gate:
@@ -508,15 +522,26 @@ def test_1_offload_under_a_side_stream_keeps_the_block_from_the_allocating_strea
 
 
 @cuda
-def test_2_overlapped_snapshot_keeps_its_sources_until_the_copy_has_read_them(arena):
+@pytest.mark.parametrize("cached", [False, True], ids=["first-call", "cached-plan"])
+def test_2_overlapped_snapshot_keeps_its_sources_until_the_copy_has_read_them(arena, cached, monkeypatch):
+    """Cached: a cached plan's check holds the storages, and that hold is what the bookkeeping keeps."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     _ready(arena, 64 * _MIB)
     w = torch.randn(_floats(64), device="cuda")
     expected = w.cpu()
+    target = {"w": w}
+    if cached:
+        go.snapshot(target, overlap=True, arena=arena).wait().free()
+        go.join()
+    kept: list[str] = []
+    defer = _overlap.defer
+    monkeypatch.setattr(_overlap, "defer", lambda events, sources=(): (kept.append(type(sources).__name__),
+                                                                         defer(events, sources)))
+    torch.cuda.synchronize()
     with hold(engine_stream(0, to_host=True)) as gate:
-        snap = go.snapshot({"w": w}, overlap=True, arena=arena)  # held: it has read nothing yet
-        del w  # the only reference: its block must not go to the next allocation before the copy read it
+        snap = go.snapshot(target, overlap=True, arena=arena)  # held: it has read nothing yet
+        del w, target  # the only references: the block must not go to the next allocation before the copy read it
         junk = torch.empty(_floats(64), device="cuda").fill_(SENTINEL)
         ran("the sentinel fill")
         gate.release()
@@ -527,6 +552,7 @@ def test_2_overlapped_snapshot_keeps_its_sources_until_the_copy_has_read_them(ar
     torch.cuda.synchronize()
     go.join()
     assert _overlap.pending() == 0  # complete: forgotten, its source released
+    assert kept == ["HeldStorages" if cached and _helper_recorded() else "list"]
 
 
 @cuda

@@ -546,6 +546,29 @@ def test_storages_held_by_the_check_are_the_checked_ones_and_are_resized_once():
 
 
 @needs_ext
+def test_record_streams_live_checks_every_stream_before_recording_and_has_nothing_to_do_on_the_cpu(monkeypatch):
+    # The offload's record_stream of every live CUDA storage, in one pass (the GPU tests show the allocator
+    # honours it): the streams are checked first, whatever the storages' devices; CPU storages have none.
+    a, b = torch.randn(8), torch.randn(3)
+    record = torch_ext.ext.record([a, b])
+    held = record.check_held([a, b])
+    assert record.record_streams_live([a, b], held, {}) == 0
+    assert record.record_streams_live([a, b], None, {}) == 0
+    assert not held.spent and held.num_held == 2  # (recording spends nothing)
+    cuda = 1  # torch's DeviceType.CUDA
+    for bad, error in [({0: (7, 1, cuda)}, ValueError),  # another device's stream under index 0
+                       ({0: (7, 0, 0)}, ValueError),  # a CPU "stream"
+                       ({-1: (7, -1, cuda)}, ValueError),
+                       ({0: "stream"}, TypeError), ({"0": (7, 0, cuda)}, TypeError), ({0: (7, 0)}, TypeError)]:
+        with pytest.raises(error, match="record_streams_live"):
+            record.record_streams_live([a, b], held, bad)
+    assert record.record_streams_live([a, b], held, {0: (7, 0, cuda)}) == 0  # a well-formed one: unused here
+    monkeypatch.setattr(plan, "copy_stream", lambda *args: pytest.fail("a copy stream asked for a CPU target"))
+    resolved = plan.resolve(named_tensors({"a": a, "b": b}), hold=True)
+    plan.mark_live_in_use(resolved, to_host=True)  # CPU only: nothing to record, no stream made
+
+
+@needs_ext
 def test_an_offload_and_reload_resize_the_storages_their_check_held(arena, monkeypatch, checks):
     if checks == "python":
         pytest.skip("the helper's records only")

@@ -14,7 +14,9 @@
 #include <ATen/native/Resize.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -25,6 +27,8 @@
 #include <stdexcept>
 #include <string>
 #include <memory>
+#include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -583,6 +587,60 @@ py::object TargetRecord::watch_live(py::handle list, py::handle held) {
   py::object made = py::cast(new StorageWatch(impls, /*rearmable=*/true), py::return_value_policy::take_ownership);
   watch_ = made;
   return made;
+}
+
+size_t TargetRecord::record_streams_live(py::handle list, py::handle held, py::dict streams) const {
+  // The streams, by device index, all read and checked before the first record: a bad one records nothing.
+  std::vector<std::optional<c10::Stream>> by_index;
+  for (auto item : streams) {
+    int64_t index = -1;
+    std::tuple<int64_t, int64_t, int64_t> triple;  // (stream_id, device_index, device_type)
+    try {
+      index = item.first.cast<int64_t>();
+      triple = item.second.cast<std::tuple<int64_t, int64_t, int64_t>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error("record_streams_live: streams maps an int to a tuple of three ints; got " +
+                           py::repr(item.first).cast<std::string>() + ": " + py::repr(item.second).cast<std::string>());
+    }
+    if (index < 0 || index >= 1024 || std::get<1>(triple) != index ||
+        std::get<2>(triple) != static_cast<int64_t>(c10::DeviceType::CUDA)) {
+      throw py::value_error("record_streams_live: streams maps a CUDA device index to that device's (stream_id, "
+                            "device_index, device_type) of a CUDA stream; got " + py::repr(item.first).cast<std::string>() +
+                            ": " + py::repr(item.second).cast<std::string>());
+    }
+    if (by_index.size() <= static_cast<size_t>(index)) by_index.resize(static_cast<size_t>(index) + 1);
+    by_index[static_cast<size_t>(index)] = c10::Stream::unpack3(std::get<0>(triple), static_cast<c10::DeviceIndex>(index),
+                                                              c10::DeviceType::CUDA);
+  }
+  bool any_cuda = false;
+  for (const int32_t j : live_) {
+    const c10::Device& device = storages_[static_cast<size_t>(j)].device;
+    if (!device.is_cuda()) continue;
+    any_cuda = true;
+    const auto index = static_cast<size_t>(device.index());
+    if (index >= by_index.size() || !by_index[index]) {
+      throw py::value_error("record_streams_live: no stream given for cuda:" + std::to_string(device.index()));
+    }
+  }
+  if (!any_cuda) return 0;  // (nothing to tell: CPU memory has no streams)
+  // The storages checked (held), else reached through the tensors and checked to be the recorded ones.
+  const std::vector<c10::StorageImpl*> impls = live_storages(list, usable_held(held));
+  // Tensor.record_stream's own way (record_stream_cuda -> the caching allocator's recordStream), through
+  // c10's device-guard registry, which torch's CUDA library fills: no libtorch_cuda linked here.
+  const c10::impl::DeviceGuardImplInterface* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  size_t num_recorded = 0;
+  const size_t n = impls.size(), ahead = static_cast<size_t>(kAhead);
+  for (size_t k = 0; k < n; ++k) {
+    if (k + ahead < n) __builtin_prefetch(impls[k + ahead]);  // (memory-bound: each StorageImpl scattered)
+    const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    if (!facts.device.is_cuda()) continue;
+    // The pointer only: a storage refusing access is still the allocator's block (none is refused here).
+    const at::DataPtr& data = impls[k]->_mutable_data_ptr_no_checks();
+    if (data.get() == nullptr) continue;  // no block (record_stream skips it too)
+    guard->recordDataPtrOnStream(data, *by_index[static_cast<size_t>(facts.device.index())]);
+    ++num_recorded;
+  }
+  return num_recorded;
 }
 
 py::list TargetRecord::live() const {

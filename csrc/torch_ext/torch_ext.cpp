@@ -235,6 +235,11 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("watch_live", &TargetRecord::watch_live, py::arg("tensors"), py::arg("held") = py::none(),
            "A StorageWatch over the recorded live storages of `tensors` (those `held` holds, if given): the "
            "record's last one, re-armed, where it watches nothing now and still has each of these storages.")
+      .def("record_streams_live", &TargetRecord::record_streams_live, py::arg("tensors"), py::arg("held"),
+           py::arg("streams"),
+           "Tensor.record_stream(streams[device]) for each recorded live CUDA storage of `tensors` that holds "
+           "memory (those `held` holds, if given), in one pass; streams: {device index: (stream_id, "
+           "device_index, device_type)}, checked before the first record. Returns how many were recorded.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)

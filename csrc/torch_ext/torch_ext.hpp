@@ -108,6 +108,11 @@ class TargetRecord {
   // each of these storages: the cycle then takes and drops no reference per storage.
   py::object watch_live(py::handle list, py::handle held);
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
+  // Tensor.record_stream(streams[device]) for each live CUDA storage that holds memory (those `held`
+  // holds, if given), in one pass: the caching allocator then hands none of their blocks out again, once
+  // freed, before the work enqueued on that stream so far has finished. `streams`: {device index:
+  // (stream_id, device_index, device_type)}, all checked before the first record. Returns how many.
+  size_t record_streams_live(py::handle list, py::handle held, py::dict streams) const;
   bool all_resizable() const { return all_resizable_; }
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_storages() const { return storages_.size(); }
