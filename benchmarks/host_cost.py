@@ -9,7 +9,9 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
     cached snapshot+wait+free, restore, offload+reload, and the first (uncached) snapshot;
   llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
   and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
-  by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids).
+  by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids); on CUDA also
+  "allocator + copy-stream uses": the same with each storage first recorded on the copy stream (offload's
+  record_stream), whose price is an event per freed block in torch's caching allocator.
   and "checks (in offload+reload)": the two validations a cycle makes before anything moves (the target
   read, then its cached plan checked, holding its storages: without, then with its grads), alone.
 Each figure in Y twice: "Y", the call's median over the median of a block of Y passes taken before the
@@ -127,6 +129,17 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
             record.resize_live(tensors, False)
 
         out["allocator (in offload+reload)"] = paired(allocator, repeats)
+        if settle is not None:  # CUDA: and each storage recorded on the copy stream first, as offload does
+            copy = plan.copy_stream(tensors[0].device.index, True)
+            streams = {copy.device_index: (copy.stream_id, copy.device_index, copy.device_type)}
+
+            def allocator_with_uses() -> None:
+                # (the allocator then records an event per freed block, and queries them at later mallocs)
+                record.record_streams_live(tensors, None, streams)
+                record.resize_live(tensors, True)
+                record.resize_live(tensors, False)
+
+            out["allocator + copy-stream uses"] = paired(allocator_with_uses, repeats)
 
     def checks() -> None:  # what offload, then reload, asks of the cached target before a byte moves
         for grads in (False, True):
