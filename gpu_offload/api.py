@@ -252,6 +252,13 @@ def _grads_policy(grads: str, include_grads: bool) -> str:
     return "copy" if include_grads else grads
 
 
+def _modules_and_optimizers(target: Any) -> bool:
+    """Whether a target is modules and torch optimizers only (itself, or a list, tuple or mapping of them):
+    read without gradients, none of its tensors is some tensor's .grad."""
+    items = target.values() if isinstance(target, Mapping) else target if isinstance(target, (list, tuple)) else (target,)
+    return all(isinstance(x, (torch.nn.Module, torch.optim.Optimizer)) for x in items)
+
+
 def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
                    state: Container[int]) -> list[tuple[int, torch.UntypedStorage, str]]:
     """The gradient storages that hold memory and are not part of the state (storage keys `state`): (key,
@@ -367,6 +374,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             offloaded = _registry.OffloadedSet(keys, nbytes, devices, offsets, live, names, region, events, sums,
                                                storages=() if watch is not None else
                                                [resolved.storages()[i] for i in live], watch=watch)
+            offloaded.holds_grads = policy == "copy" or not _modules_and_optimizers(target)
         except BaseException:
             region.release_all(events)
             raise
@@ -424,12 +432,11 @@ def reload(target: Any, *, verify: bool = False) -> None:
     named = named_tensors(target, include_grads=True)
     with _registry.lock:
         # The common case: the target as its offload left it, every storage of that offload still offloaded.
-        resolved = _plan.cached(named, hold=True) if _registry.entries else None
+        resolved = _plan_to_reload(named) if _registry.entries else None
         offloaded = resolved.plan.offloaded if resolved is not None else None
-        if resolved is not None and offloaded is not None and offloaded.whole and _registry.registered(offloaded):
+        if resolved is not None and offloaded is not None:
             _reload_through_plan(resolved, offloaded, verify)
         else:
-            resolved = None
             records, bound = _reload_bound(named, verify)
     _registry.unguard(target)
     if resolved is not None and offloaded is not None:  # reloaded through the plan
@@ -444,6 +451,25 @@ def reload(target: Any, *, verify: bool = False) -> None:
     # it (a snapshot or the next offload) needs no fresh bind.
     _plan.remember(named, bound, shard_info=lambda: shard_info(target))
     _log_rate("reload", sum(r.nbytes for _, _, r in records), start, bound.layout.num_tensors, len(records), True)
+
+
+def _reloadable(plan: _plan.TargetPlan) -> bool:
+    """Whether a plan's offload is registered whole (every storage of it still offloaded): a reload can go
+    through the plan."""
+    offloaded = plan.offloaded
+    return offloaded is not None and offloaded.whole and _registry.registered(offloaded)
+
+
+def _plan_to_reload(named: Any) -> Optional[_plan.Resolved]:
+    """The plan the target's offload left, checked against the target now, where the reload can go through
+    it; None: the general way (the registry lock held). `named`: the target with its gradients."""
+    resolved = _plan.cached(named, hold=True, accept=_reloadable)
+    if resolved is not None or not getattr(named, "num_grads", 0):
+        return resolved
+    # The gradients stayed on the device (grads="keep"): the offload's plan is the state's, and going through
+    # it misses nothing while no other registered set may hold one of those gradients.
+    return _plan.cached(named.state(), hold=True,
+                        accept=lambda plan: _reloadable(plan) and not _registry.others_hold_grads(plan.offloaded))
 
 
 def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:

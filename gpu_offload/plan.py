@@ -693,8 +693,10 @@ def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan
     return _lookup(names, tensors, False)[0]
 
 
-def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[Optional[TargetPlan], Any]:
-    """lookup(), and with `hold` the live storages its check held (None where it holds none)."""
+def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool,
+            accept: Optional[Callable[[TargetPlan], bool]] = None) -> tuple[Optional[TargetPlan], Any]:
+    """lookup(), and with `hold` the live storages its check held (None where it holds none); a plan that
+    `accept` refuses is not checked (None)."""
     candidates = []
     if _ext is not None and tensors:
         candidates.append(("record", len(tensors), id(tensors[0]), id(tensors[-1])))
@@ -711,7 +713,7 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[
             return None, None
         with _cache_lock:
             plan = _cache.get(key)
-    if plan is None:
+    if plan is None or (accept is not None and not accept(plan)):
         return None, None
     held = None
     try:
@@ -731,10 +733,12 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool) -> tuple[
     return plan, held
 
 
-def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False) -> Optional[Resolved]:
-    """The target's cached plan if it is still valid, else None; never binds. hold: as resolve()'s."""
+def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False,
+           accept: Optional[Callable[[TargetPlan], bool]] = None) -> Optional[Resolved]:
+    """The target's cached plan if it is still valid, else None; never binds. hold: as resolve()'s.
+    accept: asked of the plan found before its check (which reads every tensor); False answers None."""
     names, tensors = _split(named)
-    plan, held = _lookup(names, tensors, hold)
+    plan, held = _lookup(names, tensors, hold, accept)
     if plan is None:
         return None
     return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)

@@ -60,6 +60,10 @@ class OffloadedSet:
         self.events = events  # the D2H copy that filled the region (and reloads that read it, once failed)
         self.checksums = checksums  # integrity.Checksums of the offload's layout, or None
         self.alive = bytearray(b"\x01") * len(keys)
+        # Whether any of these storages may be some tensor's .grad: False only where the offload says its
+        # target was modules and optimizers read without their gradients (see api.offload), so that a reload
+        # of a target whose gradients stayed on the device need not look for them here.
+        self.holds_grads = True
         # The storages are watched, not held: `watch` (a StorageWatch the caller made, e.g. from its plan's
         # record), else `storages` (tensors or UntypedStorages, held by the caller now): one C++ object with
         # the helper, a weakref per storage without it.
@@ -333,6 +337,11 @@ def remove(s: OffloadedSet) -> bool:
     except ValueError:
         return False
     return True
+
+
+def others_hold_grads(s: OffloadedSet) -> bool:
+    """Whether a registered set other than `s` may hold some tensor's gradient (call with the lock held)."""
+    return any(other.holds_grads for other in _sets if other is not s)
 
 
 def registered(s: OffloadedSet) -> bool:

@@ -819,3 +819,121 @@ def test_a_module_class_with_its_own_traversal_is_read_as_torch_reads_it(arena, 
     for _ in range(2):
         assert [(n, id(t)) for n, t in named_tensors(m)] == truth
         _snapshot_matches(m, arena)
+
+
+# -- gradients: read with the recorded traversal, and a reload through the offload's plan --------------------
+def _grads_walked(m: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    params = list(m.named_parameters(remove_duplicate=False))
+    return (params + list(m.named_buffers(remove_duplicate=False))
+            + [(f"{n}.grad", p.grad) for n, p in params if p.grad is not None])
+
+
+def _same_pairs(named, expected) -> None:
+    assert [n for n, _ in named] == [n for n, _ in expected]
+    assert all(a is b for (_, a), (_, b) in zip(named, expected))
+
+
+def test_a_recorded_traversal_reads_the_gradients_as_the_python_walk_names_them(checks):
+    # include_grads through the record: each parameter's .grad after the state, under "<name>.grad", a tied
+    # parameter's under each of its names; the same names list while the same parameters have one, and the
+    # current grad objects every call (replaced, dropped, added).
+    m = _model()
+    m[1].inner = m[0].inner  # tied: two names for one module's parameters
+    named_tensors(m)  # recorded
+    none = named_tensors(m, include_grads=True)
+    _same_pairs(none, _grads_walked(m))
+    assert none.num_grads == 0
+    for p in [m[0].inner.weight, m[0].experts[1].weight]:
+        p.grad = torch.randn_like(p)
+    first = named_tensors(m, include_grads=True)
+    _same_pairs(first, _grads_walked(m))
+    assert first.num_grads == 3  # (the tied weight's grad under both names)
+    helper = checks == "helper" and adapters._ext is not None and adapters._ext.MODULE_TREE
+    again = named_tensors(m, include_grads=True)
+    assert again.tensors is not first.tensors
+    assert again.names is first.names or not helper
+    m[0].experts[1].weight.grad = torch.zeros(2, 2)  # replaced: the new object, the same names
+    third = named_tensors(m, include_grads=True)
+    assert third.names is first.names or not helper
+    _same_pairs(third, _grads_walked(m))
+    m[0].inner.weight.grad = None  # dropped: names without it
+    m[0].experts[0].weight.grad = torch.ones(2, 2)  # and another added
+    fourth = named_tensors(m, include_grads=True)
+    _same_pairs(fourth, _grads_walked(m))
+    assert fourth.num_grads == 2
+    _same_pairs(fourth.state(), list(named_tensors(m)))
+    _replace_param(m)  # the traversal changed: walked again, still as Python names them
+    _same_pairs(named_tensors(m, include_grads=True), _grads_walked(m))
+
+
+def _reload_binds(monkeypatch) -> list[int]:
+    from gpu_offload import api
+
+    calls: list[int] = []
+    general = api._reload_bound
+    monkeypatch.setattr(api, "_reload_bound", lambda named, verify: (calls.append(len(named)), general(named, verify))[1])
+    return calls
+
+
+def _with_grads(m: torch.nn.Module) -> None:
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+
+
+def test_gradients_kept_on_the_device_do_not_take_the_reload_off_its_plan(arena, monkeypatch):
+    # offload(grads="keep") of a module whose parameters have grads: the reload goes through the plan the
+    # offload left (the state's), without a bind, and the grads are untouched; the state comes back.
+    m = _model()
+    _with_grads(m)
+    expected = {n: t.detach().clone() for n, t in named_tensors(m, include_grads=True)}
+    calls = _reload_binds(monkeypatch)
+    for _ in range(3):
+        go.offload(m, arena=arena)
+        assert not go.is_offloaded([p.grad for p in m.parameters()])
+        go.reload(m)
+    assert calls == []
+    for name, t in named_tensors(m, include_grads=True):
+        assert_bitwise_equal(t.detach(), expected[name])
+    assert arena.used_bytes == 0
+
+
+def test_a_reload_looks_for_gradients_another_offload_holds(arena, monkeypatch):
+    # A gradient offloaded on its own (another target, which may hold gradients): a reload of the module
+    # brings it back with the state, the general way, as before the shortcut.
+    m = _model()
+    _with_grads(m)
+    grad = m[0].inner.weight.grad
+    expected = grad.clone()
+    go.offload(m, arena=arena)
+    go.reload(m)  # (the plans made)
+    calls = _reload_binds(monkeypatch)
+    go.offload(m, arena=arena)
+    go.offload({"g": grad}, arena=arena)
+    go.reload(m)
+    assert calls == [len(named_tensors(m, include_grads=True))]
+    assert not go.is_offloaded({"g": grad})
+    assert_bitwise_equal(grad, expected)
+    # Other modules' state offloaded beside it holds no gradient: the plan again.
+    other = _model()
+    go.offload(other, arena=arena)
+    go.offload(m, arena=arena)
+    calls.clear()
+    go.reload(m)
+    assert calls == []
+    go.reload(other)
+
+
+def test_gradients_copied_with_the_state_come_back_through_their_plan(arena, monkeypatch):
+    m = _model()
+    _with_grads(m)
+    expected = {n: t.detach().clone() for n, t in named_tensors(m, include_grads=True)}
+    go.offload(m, arena=arena, grads="copy")
+    go.reload(m)
+    calls = _reload_binds(monkeypatch)
+    for _ in range(2):
+        go.offload(m, arena=arena, grads="copy")
+        assert go.is_offloaded([p.grad for p in m.parameters()])
+        go.reload(m)
+    assert calls == []
+    for name, t in named_tensors(m, include_grads=True):
+        assert_bitwise_equal(t.detach(), expected[name])

@@ -102,6 +102,14 @@ class ModuleTree {
   std::vector<PyObject*> tensors;
   size_t num_tensors = 0;
   size_t num_params = 0;
+  // tensors_with_grads(): the names it answered last (the traversal's, then "<name>.grad" of each parameter
+  // that had a grad), for that set of parameters (`grads_of`) under that traversal's names (`base`), so that a
+  // call finding the same set answers with the same list (the plan cache then compares names by identity);
+  // and each "<name>.grad" made so far, by parameter index.
+  py::object base;
+  py::object names_with_grads;
+  std::vector<int32_t> grads_of;
+  std::vector<py::object> grad_names;
 };
 
 namespace {
@@ -462,6 +470,68 @@ py::object tree_tensors(const ModuleTree& tree, py::handle root, bool no_grads) 
   return std::move(out);
 }
 
+// The traversal with its gradients, as the Python walk names them with include_grads: the parameters and
+// buffers, then the .grad of each parameter (in order, a tied one under each of its names) that has one;
+// None when `root` changed. `names`: the traversal's names (build_module_tree's list). Answers (tensors,
+// names), the names being `names` itself where no parameter has a grad.
+py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle names) {
+  if (!PyList_CheckExact(names.ptr()) || static_cast<size_t>(PyList_GET_SIZE(names.ptr())) != tree.tensors.size()) {
+    throw py::value_error("tensors_with_grads: names must be the traversal's names list");
+  }
+  if (!walk(tree, root.ptr())) return py::none();
+  const size_t n = tree.tensors.size(), num_params = tree.num_params;
+  std::vector<int32_t> grads_of;
+  std::vector<py::object> grads;
+  // Memory-bound as tree_tensors(): each parameter's TensorImpl, then its autograd meta, asked for ahead.
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < num_params; ++i) {
+    if (i + 2 * kAhead < num_params) __builtin_prefetch(tree.tensors[i + 2 * kAhead]);
+    if (i + kAhead < num_params && THPVariable_Check(tree.tensors[i + kAhead])) {
+      __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + kAhead]).unsafeGetTensorImpl());
+    }
+    PyObject* p = tree.tensors[i];
+    if (!THPVariable_Check(p)) return py::none();  // (cannot be: the unchanged dicts hold what was recorded)
+    // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
+    const at::Tensor& grad = THPVariable_Unpack(p).unsafeGetTensorImpl()->grad();
+    if (!grad.defined()) continue;
+    grads_of.push_back(static_cast<int32_t>(i));
+    grads.push_back(py::reinterpret_steal<py::object>(THPVariable_Wrap(grad)));  // (p.grad's own object)
+  }
+  py::list out(n + grads.size());
+  PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  for (size_t i = 0; i < n; ++i) {
+    Py_INCREF(tree.tensors[i]);
+    items[i] = tree.tensors[i];
+  }
+  for (size_t k = 0; k < grads.size(); ++k) items[n + k] = grads[k].release().ptr();
+  if (grads_of.empty()) return py::make_tuple(out, names);
+  if (!(tree.base.ptr() == names.ptr() && tree.grads_of == grads_of && tree.names_with_grads)) {
+    if (tree.base.ptr() != names.ptr()) tree.grad_names.clear();  // (names of another traversal's list)
+    tree.grad_names.resize(num_params);
+    py::list named(n + grads_of.size());
+    PyObject** name_items = reinterpret_cast<PyListObject*>(named.ptr())->ob_item;
+    PyObject** base_items = reinterpret_cast<PyListObject*>(names.ptr())->ob_item;
+    for (size_t i = 0; i < n; ++i) {
+      Py_INCREF(base_items[i]);
+      name_items[i] = base_items[i];
+    }
+    static PyObject* suffix = PyUnicode_InternFromString(".grad");  // (never freed: the interpreter's)
+    for (size_t k = 0; k < grads_of.size(); ++k) {
+      py::object& grad_name = tree.grad_names[static_cast<size_t>(grads_of[k])];
+      if (!grad_name) {
+        PyObject* joined = PyUnicode_Concat(base_items[grads_of[k]], suffix);
+        if (joined == nullptr) throw py::error_already_set();
+        grad_name = py::reinterpret_steal<py::object>(joined);
+      }
+      name_items[n + k] = grad_name.inc_ref().ptr();
+    }
+    tree.base = py::reinterpret_borrow<py::object>(names);
+    tree.grads_of = std::move(grads_of);
+    tree.names_with_grads = std::move(named);
+  }
+  return py::make_tuple(out, tree.names_with_grads);
+}
+
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"),
@@ -469,6 +539,11 @@ void bind_module_tree(py::module_& m) {
       .def("tensors", &tree_tensors, py::arg("root"), py::arg("no_grads") = false,
            "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed; "
            "with no_grads, False if a parameter has a .grad.")
+      .def("tensors_with_grads", &tree_tensors_with_grads, py::arg("root"), py::arg("names"),
+           "(tensors, names) of the traversal with its gradients, as the Python walk with include_grads names them "
+           "(parameters, buffers, then each parameter's .grad as \"<name>.grad\"); None if `root` changed. "
+           "`names`: the traversal's names; answered as is where no parameter has a grad, and the same list "
+           "again while the same parameters have one.")
       .def_property_readonly("num_modules", [](const ModuleTree& t) { return t.modules.size(); });
 }
 
@@ -482,7 +557,9 @@ void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"))
       .def("tensors", [](const ModuleTree&, py::handle, bool) { return py::none(); }, py::arg("root"),
-           py::arg("no_grads") = false);
+           py::arg("no_grads") = false)
+      .def("tensors_with_grads", [](const ModuleTree&, py::handle, py::handle) { return py::none(); },
+           py::arg("root"), py::arg("names"));
 }
 
 #endif

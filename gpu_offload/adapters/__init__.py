@@ -42,16 +42,26 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
     tensors is read on every call, and building a tuple per entry costs more than the rest of a cached
     call (the garbage collector then also walks them)."""
 
-    __slots__ = ("names", "tensors")
+    __slots__ = ("names", "tensors", "num_grads")
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], num_grads: int = 0) -> None:
         self.names = names
         self.tensors = tensors
+        # How many of the pairs, at the end, are gradients (named_tensors(include_grads=True)): the ones before
+        # are what named_tensors(include_grads=False) answers (see state()). 0 where none or not known.
+        self.num_grads = num_grads
 
     @classmethod
-    def from_pairs(cls, pairs: Iterable[tuple[str, torch.Tensor]]) -> "Named":
+    def from_pairs(cls, pairs: Iterable[tuple[str, torch.Tensor]], num_grads: int = 0) -> "Named":
         pairs = list(pairs)
-        return cls([n for n, _ in pairs], [t for _, t in pairs])
+        return cls([n for n, _ in pairs], [t for _, t in pairs], num_grads)
+
+    def state(self) -> "Named":
+        """The pairs without the gradients (itself where there are none)."""
+        if not self.num_grads:
+            return self
+        n = len(self.names) - self.num_grads
+        return Named(self.names[:n], self.tensors[:n])
 
     def __len__(self) -> int:
         return len(self.names)
@@ -94,7 +104,7 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
     out: NamedTensors = []
     grads: NamedTensors = []
     _collect(target, "", include_grads, out, grads, top=True, reshard=reshard)
-    return Named.from_pairs(out + grads)
+    return Named.from_pairs(out + grads, len(grads))
 
 
 # The keys lists of the last flat dicts read, by id: the next call on the same dict answers with the same list
@@ -213,14 +223,12 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     _buffers and _modules dicts, see csrc/torch_ext/module_tree.cpp), else walked and recorded again in
     C++. None where that does not apply (the caller walks it in Python): no helper or Python without
     dict version tags, a strategy wrapper, a module whose parameters ZeRO-3 converted, anything but a plain
-    traversal, or grads asked for while some parameter has one."""
+    traversal. With include_grads, each parameter's .grad follows, as the Python walk names them."""
     if not _ext.MODULE_TREE:
         return None
     entry = _trees.get(module)
-    tensors = entry[0].tensors(module, include_grads) if entry is not None else None
-    if tensors is False:  # (asked for grads, and a parameter has one: found in the same pass)
-        return None
-    if entry is None or tensors is None:
+    got = _tree_tensors(entry, module, include_grads) if entry is not None else None
+    if got is None:
         # The strategy depends only on the modules' classes, which the record covers, and on whether
         # ZeRO-3 converted the parameters, asked below over the recorded ones (not in a Python walk).
         if _strategy_but_zero3(module) is not PLAIN_MODULE:
@@ -230,11 +238,25 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
             return None
         tree, names, tensors, num_params = built
         entry = _trees[module] = (tree, names, num_params)
+        got = (names, tensors)
         if include_grads and _ext.any_grad(tensors, num_params):
-            return None
-    if _converted_by_zero3(tensors, entry[2]):  # (the record stays: the next call finds the same as cheaply)
+            got = _tree_tensors(entry, module, True)
+            if got is None:  # (changed since it was just recorded: another thread)
+                return None
+    if _converted_by_zero3(got[1], entry[2]):  # (the record stays: the next call finds the same as cheaply)
         return None
-    return Named(entry[1], tensors)
+    return Named(got[0], got[1], len(got[1]) - len(entry[1]))
+
+
+def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,
+                  include_grads: bool) -> Optional[tuple[list[str], list[torch.Tensor]]]:
+    """(names, tensors) from a recorded traversal, with the gradients where asked; None if it changed."""
+    tree, names, _ = entry
+    if include_grads:
+        got = tree.tensors_with_grads(module, names)
+        return None if got is None else (got[1], got[0])
+    tensors = tree.tensors(module)
+    return None if tensors is None else (names, tensors)
 
 
 def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:
@@ -250,8 +272,8 @@ def _recorded_strategy(obj: Any) -> Optional[Strategy]:
     if "deepspeed" not in sys.modules or not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
         return None
     entry = _trees.get(obj)
-    tensors = entry[0].tensors(obj, False) if entry is not None else None
-    if tensors is None or tensors is False:
+    tensors = entry[0].tensors(obj) if entry is not None else None
+    if tensors is None:
         return None
     # A record is made only of a module every recognizer but ZeRO-3's calls plain, and it covers the classes
     # they ask about: while it holds, the module is one of those two.
