@@ -20,7 +20,7 @@ from . import overlap as _overlap
 from . import plan as _plan
 from . import registry as _registry
 from ._errors import OffloadError
-from .adapters import gradient_tensors, named_tensors, shard_info
+from .adapters import Named, gradient_tensors, named_tensors, shard_info
 from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
@@ -280,6 +280,43 @@ def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
     return out
 
 
+def _drop_plan(grads: Any, state: _plan.TargetPlan) -> Optional[_plan.Resolved]:
+    """The gradients' own plan, their storages held, where a drop can release all of its live storages in
+    one pass (the helper recorded them, each resizable, none shared with the state, none offloaded or
+    dropped already); None: the one-by-one way (call with the registry lock held)."""
+    if not _plan.recording():
+        return None
+    try:
+        resolved = _plan.resolve(grads, hold=True)
+    except OffloadError:  # (the one-by-one way says what is wrong)
+        return None
+    plan = resolved.plan
+    if plan.record is None or not plan.live or plan.released or plan.all_resizable(resolved) is not None:
+        return None
+    keys = plan.live_columns()[0]
+    if not set(state.keys).isdisjoint(keys) or _registry.offloaded_any(keys):
+        return None
+    return resolved
+
+
+def _drop_through_plan(resolved: _plan.Resolved) -> _registry.OffloadedSet:
+    """_drop() of a gradients plan's live storages, in one C++ pass that also makes them refuse access;
+    the set (no region) is registered first, as _drop's. Returns it."""
+    plan = resolved.plan
+    keys, nbytes, devices, _, names = plan.live_columns()
+    watch = plan.watch(resolved)
+    dropped = _registry.OffloadedSet(keys, nbytes, devices, [0] * len(keys), plan.live, names, None, [], None,
+                                     storages=() if watch is not None else [resolved.storages()[i] for i in plan.live],
+                                     watch=watch)
+    _registry.add(dropped)
+    if plan.refusals is None:
+        plan.refusals = _registry.drop_refusals(names)
+    if not _plan.resize(resolved, release=True, refusals=plan.refusals):
+        _registry.refuse(keys, names, plan.refusals)
+    plan.dropped = dropped
+    return dropped
+
+
 def _drop(items: list[tuple[int, torch.UntypedStorage, str]]) -> None:
     """Releases gradient storages without a copy; reload re-allocates them zeroed. Their set (no region) is
     registered before any is released, so an interrupt leaves every storage either live or registered (a
@@ -293,6 +330,9 @@ def _drop(items: list[tuple[int, torch.UntypedStorage, str]]) -> None:
                                          [name for _, _, name in items], None, [], None, storages=storages))
     for storage in storages:
         storage.resize_(0)
+    # Touching one raises (with the helper), naming it, instead of reading released memory.
+    names = [name for _, _, name in items]
+    _registry.refuse(storages, names, _registry.drop_refusals(names))
 
 
 def _log_kept_grads(target: Any, resolved: _plan.Resolved) -> None:
@@ -351,7 +391,11 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             raise OffloadError(f"cannot offload {stuck}: its storage is not resizable "
                                "(memory borrowed from numpy, DLPack or a file?)")
         live = plan.live
-        dropping = _grads_to_drop(gradient_tensors(target), set(plan.keys)) if policy == "drop" else []
+        grads = gradient_tensors(target) if policy == "drop" else None
+        # Gradients to release: through a plan of their own (one C++ pass) where all of its storages go,
+        # else one by one (which also says what cannot be dropped).
+        grads_plan = _drop_plan(grads, plan) if grads and live else None
+        dropping = _grads_to_drop(grads, set(plan.keys)) if grads and grads_plan is None else []
         if not live:
             if not dropping:
                 raise OffloadError("nothing to offload: the target holds no device memory")
@@ -400,11 +444,15 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             _registry.unguard(target)
             raise
         # Last, once nothing can fail: the gradients have no copy that an undo could put back.
-        _drop(dropping)
+        if grads_plan is not None:
+            offloaded.dropped = _drop_through_plan(grads_plan)
+        else:
+            _drop(dropping)
     if policy == "keep" and logger.isEnabledFor(logging.INFO):
         _log_kept_grads(target, resolved)
     if empty_cache:
-        _empty_cache(layout.devices + [st.device for _, st, _ in dropping])
+        _empty_cache(layout.devices + [st.device for _, st, _ in dropping] +
+                     (grads_plan.layout.devices if grads_plan is not None else []))
     _log_rate("offload", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
 
 
@@ -436,6 +484,9 @@ def reload(target: Any, *, verify: bool = False) -> None:
         offloaded = resolved.plan.offloaded if resolved is not None else None
         if resolved is not None and offloaded is not None:
             _reload_through_plan(resolved, offloaded, verify)
+            dropped = offloaded.dropped
+            if dropped is not None and _registry.registered(dropped):  # and the gradients it dropped, zeroed
+                _regrow_dropped(named, dropped)
         else:
             records, bound = _reload_bound(named, verify)
     _registry.unguard(target)
@@ -466,10 +517,48 @@ def _plan_to_reload(named: Any) -> Optional[_plan.Resolved]:
     resolved = _plan.cached(named, hold=True, accept=_reloadable)
     if resolved is not None or not getattr(named, "num_grads", 0):
         return resolved
-    # The gradients stayed on the device (grads="keep"): the offload's plan is the state's, and going through
-    # it misses nothing while no other registered set may hold one of those gradients.
+    # The gradients stayed on the device (grads="keep") or were dropped (grads="drop", a set of their own): the
+    # offload's plan is the state's, and going through it (then through the dropped ones' plan) misses
+    # nothing while no other registered set may hold one of those gradients.
     return _plan.cached(named.state(), hold=True,
-                        accept=lambda plan: _reloadable(plan) and not _registry.others_hold_grads(plan.offloaded))
+                        accept=lambda plan: _reloadable(plan) and not _registry.others_hold_grads(
+                            plan.offloaded, plan.offloaded.dropped))
+
+
+def _regrow_dropped(named: Any, dropped: _registry.OffloadedSet) -> None:
+    """Re-allocates, zeroed, the gradients an offload(grads="drop") released with its state (the registry
+    lock held; the state is back already): through their plan where it still fits them, else the general
+    way. An error leaves them dropped and registered, for the next reload."""
+    k = getattr(named, "num_grads", 0)
+    if not k:  # (its gradients are gone: none of them is still the target's)
+        return
+    grads = Named(named.names[-k:], named.tensors[-k:])
+    resolved = _plan.cached(grads, hold=True, accept=lambda plan: plan.dropped is dropped)
+    if resolved is None:  # (replaced or changed since: whichever of them is still dropped)
+        _reload_bound(grads, False, required=False)
+        return
+    plan = resolved.plan
+    try:
+        _plan.resize(resolved, release=False, refusals=plan.refusals)
+    except BaseException as exc:
+        _undo_regrow(resolved, dropped)
+        if isinstance(exc, (RuntimeError, MemoryError)):
+            raise _reload_out_of_memory(exc, sum(dropped.nbytes), resolved.layout.devices) from exc
+        raise
+    _plan.zero_live(resolved)
+    _registry.remove(dropped)
+    dropped.forget(None)
+    plan.dropped = None
+
+
+def _undo_regrow(resolved: _plan.Resolved, dropped: _registry.OffloadedSet) -> None:
+    """Releases the dropped gradients an interrupted regrow allocated: they stay dropped, refusing access."""
+    storages = resolved.storages()
+    for i in resolved.plan.live:
+        if storages[i].nbytes() != 0:
+            storages[i].resize_(0)
+    resolved.plan.refresh(resolved.tensors, released=True)
+    _registry.refuse(dropped.keys, dropped.names, resolved.plan.refusals)
 
 
 def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:
@@ -522,11 +611,15 @@ def _undo_reload_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSe
     _registry.refuse(offloaded.keys, offloaded.names, resolved.plan.refusals)  # offloaded as before
 
 
-def _reload_bound(named: Any, verify: bool) -> tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], Any]:
-    """Reloads whatever of a target is offloaded, however it was offloaded (the registry lock held)."""
+def _reload_bound(named: Any, verify: bool,
+                  required: bool = True) -> tuple[list[tuple[int, torch.UntypedStorage, _Offloaded]], Any]:
+    """Reloads whatever of a target is offloaded, however it was offloaded (the registry lock held).
+    required: nothing offloaded is an error (else nothing is done)."""
     bound = bind(named, _registry.sizes())
     records = [(k, st, _registry.entries[k]) for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
     if not records:
+        if not required:
+            return records, bound
         raise OffloadError("cannot reload: nothing in the target is offloaded")
     if verify:  # integrity: the host copy is checked before anything moves
         _registry.verify_host([r for _, _, r in records if r.region is not None])

@@ -317,6 +317,9 @@ class TargetPlan:
         self.released = False
         # The messages its live storages refuse access with while offloaded (made at the first offload).
         self.refusals: Optional[list[str]] = None
+        # A plan of gradients: the registry set of an offload(grads="drop") that released them through it,
+        # until the reload that grows them again (api).
+        self.dropped: Any = None
 
     def live_columns(self) -> tuple[list[int], list[int], list[Any], list[int], list[str]]:
         """Keys, sizes, devices, host offsets and names of the storages that hold memory (made once; shared,
@@ -771,6 +774,27 @@ def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = No
         storages[i].resize_(0 if release else specs[i].nbytes)
     plan.refresh(resolved.tensors, released=release)
     return False
+
+
+def recording() -> bool:
+    """Whether plans are recorded by the torch-aware helper (one C++ pass per check, resize, watch)."""
+    return _ext is not None
+
+
+def zero_live(resolved: Resolved) -> None:
+    """Zeroes a resolved target's live storages, whole (on a GPU in stream order): the CPU ones in one C++
+    pass and the CUDA ones in one torch._foreach_zero_ where each one's first tensor views all of it, else
+    one zero_() per storage."""
+    plan = resolved.plan
+    if plan.record is not None:
+        cuda = plan.record.zero_live(resolved.tensors, resolved.held)
+        if cuda is not None:
+            if cuda:
+                torch._foreach_zero_(cuda)
+            return
+    storages = resolved.storages()
+    for i in plan.live:
+        storage_view(storages[i]).zero_()
 
 
 def increment_version(tensors: list[torch.Tensor]) -> None:

@@ -64,6 +64,8 @@ class OffloadedSet:
         # target was modules and optimizers read without their gradients (see api.offload), so that a reload
         # of a target whose gradients stayed on the device need not look for them here.
         self.holds_grads = True
+        # The set of the gradients the same offload dropped (grads="drop"), reloaded with this one.
+        self.dropped: Optional["OffloadedSet"] = None
         # The storages are watched, not held: `watch` (a StorageWatch the caller made, e.g. from its plan's
         # record), else `storages` (tensors or UntypedStorages, held by the caller now): one C++ object with
         # the helper, a weakref per storage without it.
@@ -339,9 +341,10 @@ def remove(s: OffloadedSet) -> bool:
     return True
 
 
-def others_hold_grads(s: OffloadedSet) -> bool:
-    """Whether a registered set other than `s` may hold some tensor's gradient (call with the lock held)."""
-    return any(other.holds_grads for other in _sets if other is not s)
+def others_hold_grads(s: OffloadedSet, also: Optional[OffloadedSet] = None) -> bool:
+    """Whether a registered set other than `s` (and `also`) may hold some tensor's gradient (call with the lock
+    held)."""
+    return any(other.holds_grads for other in _sets if other is not s and other is not also)
 
 
 def registered(s: OffloadedSet) -> bool:
@@ -434,6 +437,16 @@ def verify_reloaded(items: list[tuple[torch.UntypedStorage, Offloaded]]) -> None
 def _refusal(name: str) -> str:
     return (f"gpu_offload: {name} is offloaded (its data is in host memory and its device memory is released); "
             "call gpu_offload.reload() on its model or optimizer before using it")
+
+
+def _drop_refusal(name: str) -> str:
+    return (f"gpu_offload: {name} was dropped by offload(grads='drop') (its memory is released); "
+            "gpu_offload.reload() of its model brings it back zeroed")
+
+
+def drop_refusals(names: Sequence[str]) -> list[str]:
+    """The messages dropped gradients' storages refuse access with."""
+    return list(map(_drop_refusal, names))
 
 
 def refusals(names: Sequence[str]) -> list[str]:

@@ -937,3 +937,95 @@ def test_gradients_copied_with_the_state_come_back_through_their_plan(arena, mon
     assert calls == []
     for name, t in named_tensors(m, include_grads=True):
         assert_bitwise_equal(t.detach(), expected[name])
+
+
+def _storage_keys(ts) -> list[int]:
+    return [t.untyped_storage()._cdata for t in ts]
+
+
+def test_dropped_gradients_come_back_zeroed_through_their_plan(arena, monkeypatch, checks):
+    # offload(grads="drop"): the gradients are released through a plan of their own and come back zeroed
+    # through it at the reload of their module: the same tensors on the same storages, no bind.
+    m = _model()
+    _with_grads(m)
+    grads = [p.grad for p in m.parameters()]
+    keys = _storage_keys(grads)
+    expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+    calls = _reload_binds(monkeypatch)
+    for cycle in range(3):
+        for g in grads:
+            g.fill_(cycle + 1.0)
+        go.offload(m, grads="drop", arena=arena)
+        assert all(g.untyped_storage().nbytes() == 0 for g in grads)
+        assert go.offloaded_bytes() == sum(t.untyped_storage().nbytes() for t in expected.values())
+        go.reload(m)
+        assert [p.grad for p in m.parameters()] == grads and _storage_keys(grads) == keys
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+        for name, t in named_tensors(m):
+            assert_bitwise_equal(t.detach(), expected[name])
+    assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
+    if checks == "helper":
+        assert calls == []
+
+
+@needs_ext
+def test_a_dropped_gradient_refuses_access_either_way(arena, monkeypatch, checks):
+    # Touching a dropped gradient raises, naming it (it used to read released memory), through the
+    # gradients' plan and one by one alike.
+    from gpu_offload import api
+
+    if checks == "python":
+        pytest.skip("refusing access is the helper's")
+    for one_by_one in (False, True):
+        if one_by_one:
+            monkeypatch.setattr(api, "_drop_plan", lambda grads, state: None)
+        m = _model()
+        _with_grads(m)
+        go.offload(m, grads="drop", arena=arena)
+        with pytest.raises(RuntimeError, match=r"0\.inner\.weight\.grad was dropped by offload"):
+            m[0].inner.weight.grad.sum()
+        go.reload(m)
+        assert torch.equal(m[0].inner.weight.grad, torch.zeros(2, 3))
+
+
+def test_a_gradient_replaced_while_dropped_is_left_as_it_is(arena, checks):
+    m = _model()
+    _with_grads(m)
+    go.offload(m, grads="drop", arena=arena)
+    new = torch.full((2, 3), 7.0)
+    m[0].inner.weight.grad = new
+    go.reload(m)
+    assert m[0].inner.weight.grad is new and torch.equal(new, torch.full((2, 3), 7.0))
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters() if p.grad is not new)
+    gc.collect()
+    assert not go.is_offloaded(m) and go.offloaded_bytes() == 0
+
+
+def test_a_dropped_gradients_regrow_that_fails_leaves_them_dropped_for_the_next_reload(arena, monkeypatch, checks):
+    m = _model()
+    _with_grads(m)
+    go.offload(m, grads="drop", arena=arena)
+    go.reload(m)
+    expected = {n: t.detach().clone() for n, t in named_tensors(m)}
+    go.offload(m, grads="drop", arena=arena)
+    resize = plan.resize
+
+    def failing(resolved, release, refusals=None):
+        if not release and resolved.plan.dropped is not None:
+            raise MemoryError("out of memory (injected)")
+        return resize(resolved, release, refusals)
+
+    monkeypatch.setattr(plan, "resize", failing)
+    if checks == "helper":
+        with pytest.raises(go.OffloadError, match="out of memory"):
+            go.reload(m)
+        assert all(p.grad.untyped_storage().nbytes() == 0 for p in m.parameters())
+        for name, t in named_tensors(m):  # the state is back
+            assert_bitwise_equal(t.detach(), expected[name])
+    else:  # (no gradients' plan without the helper: one by one, the general way)
+        go.reload(m)
+    monkeypatch.setattr(plan, "resize", resize)
+    if checks == "helper":
+        go.reload(m)  # the gradients, the general way
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters())
+    assert go.offloaded_bytes() == 0

@@ -643,6 +643,51 @@ size_t TargetRecord::record_streams_live(py::handle list, py::handle held, py::d
   return num_recorded;
 }
 
+bool TargetRecord::covers(size_t i, size_t nbytes) const {
+  const TensorFacts& t = tensors_[i];
+  if (t.offset != 0) return false;
+  const int64_t* sizes = dims_.data() + t.dims_at;
+  const int64_t* strides = sizes + t.dim;
+  int64_t numel = 1, expected = 1;
+  for (int32_t d = t.dim - 1; d >= 0; --d) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+    numel *= sizes[d];
+  }
+  return static_cast<size_t>(numel) * t.dtype.itemsize() == nbytes;
+}
+
+py::object TargetRecord::zero_live(py::handle list, py::handle held) {
+  const std::vector<c10::StorageImpl*> impls = live_storages(list, usable_held(held));
+  Items items = items_of(list);
+  if (items.size != static_cast<Py_ssize_t>(tensors_.size())) {
+    throw py::value_error("the target's tensors changed since it was checked");
+  }
+  // The CUDA ones first, all of them, before any CPU storage is written: each storage's first tensor, which
+  // must still be the recorded one on this storage and view all of it, or nothing is zeroed here.
+  py::list cuda;
+  for (size_t k = 0; k < impls.size(); ++k) {
+    const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+    if (facts.device.is_cpu()) continue;
+    const size_t i = static_cast<size_t>(first_tensor_[static_cast<size_t>(live_[k])]);
+    PyObject* obj = items.data[i];
+    const TensorFacts& t = tensors_[i];
+    if (obj != t.obj || Py_TYPE(obj) != t.type) return py::none();
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (impl != t.impl || !impl->has_storage() || impl->unsafe_storage().unsafeGetStorageImpl() != impls[k] ||
+        impl->storage_offset() != t.offset || !covers(i, impls[k]->nbytes())) {
+      return py::none();
+    }
+    cuda.append(py::reinterpret_borrow<py::object>(obj));
+  }
+  for (size_t k = 0; k < impls.size(); ++k) {
+    if (!storages_[static_cast<size_t>(live_[k])].device.is_cpu()) continue;
+    void* data = data_of(impls[k]);
+    if (data != nullptr) std::memset(data, 0, impls[k]->nbytes());
+  }
+  return std::move(cuda);
+}
+
 py::list TargetRecord::live() const {
   py::list out(live_.size());
   for (size_t k = 0; k < live_.size(); ++k) {

@@ -240,6 +240,10 @@ PYBIND11_MODULE(_torch_ext, m) {
            "Tensor.record_stream(streams[device]) for each recorded live CUDA storage of `tensors` that holds "
            "memory (those `held` holds, if given), in one pass; streams: {device index: (stream_id, "
            "device_index, device_type)}, checked before the first record. Returns how many were recorded.")
+      .def("zero_live", &TargetRecord::zero_live, py::arg("tensors"), py::arg("held") = py::none(),
+           "Zeroes the recorded live storages of `tensors` (those `held` holds, if given) that are CPU storages; "
+           "answers the tensors to zero with torch for the CUDA ones (each one's first tensor, viewing all of it), "
+           "or None, nothing zeroed, where one does not.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)

@@ -108,6 +108,10 @@ class TargetRecord {
   // each of these storages: the cycle then takes and drops no reference per storage.
   py::object watch_live(py::handle list, py::handle held);
   py::list live() const;  // (first tensor index, recorded nbytes) of each live storage
+  // Zeroes the live storages that hold memory (gradients a drop released, grown again): the CPU ones here;
+  // answers the tensors the caller zeroes with torch for the CUDA ones (each one's first tensor, which views
+  // all of it), or None, nothing zeroed, where one of those does not (or the tensors changed).
+  py::object zero_live(py::handle list, py::handle held);
   // Tensor.record_stream(streams[device]) for each live CUDA storage that holds memory (those `held`
   // holds, if given), in one pass: the caching allocator then hands none of their blocks out again, once
   // freed, before the work enqueued on that stream so far has finished. `streams`: {device index:
@@ -145,6 +149,7 @@ class TargetRecord {
   // The held storages (when not nullptr), else live_storages(list).
   std::vector<c10::StorageImpl*> live_storages(py::handle list, HeldStorages* held) const;
   void summarize();  // all_resizable_ from the storages' facts
+  bool covers(size_t i, size_t nbytes) const;  // tensor i views exactly nbytes from its storage's start, contiguously
   // resize_live's pass over `held`'s storages where it is not nullptr, else over `reached`.
   void resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse, HeldStorages* held);
   std::vector<TensorFacts> tensors_;

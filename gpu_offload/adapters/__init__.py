@@ -129,6 +129,11 @@ def gradient_tensors(target: Any) -> Named:
     `offload(grads="drop")` releases). Reads: nothing is resharded."""
     if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
         return Named([], [])  # a mapping of tensors is all state
+    if _ext is not None and isinstance(target, torch.nn.Module):
+        named = _recorded_module_tensors(target, True)  # (its recorded traversal: the grads are its tail)
+        if named is not None:
+            k = named.num_grads
+            return Named(named.names[-k:], named.tensors[-k:]) if k else Named([], [])
     out: NamedTensors = []
     grads: NamedTensors = []
     _collect(target, "", True, out, grads, top=True, reshard=False)
