@@ -13,7 +13,9 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
   "allocator + copy-stream uses": the same with each storage first recorded on the copy stream (offload's
   record_stream), whose price is an event per freed block in torch's caching allocator.
   and "checks (in offload+reload)": the two validations a cycle makes before anything moves (the target
-  read, then its cached plan checked, holding its storages: without, then with its grads), alone.
+  read, then its cached plan checked, holding its storages: without, then with its grads), alone;
+  module only: "offload+reload, grads=keep|copy|drop", the cycle with a .grad on every parameter (twice the
+  tensors; Y stays the parameters' pass).
 Each figure in Y twice: "Y", the call's median over the median of a block of Y passes taken before the
 calls; "Y paired", the median of each call's ratio to a Y pass timed right after it, the second of two
 (on a shared host whose speed drifts within a minute, the steadier of the two; the first pass absorbs
@@ -150,6 +152,19 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         go.offload(target, arena=arena, empty_cache=False)  # the plan as a cycle finds it
         go.reload(target)
         out["checks (in offload+reload)"] = paired(checks, repeats)
+    if isinstance(target, torch.nn.Module):
+        # After a backward: every parameter has a .grad (as many tensors again), under each grads policy.
+        params = list(target.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for policy in ("keep", "copy", "drop"):
+            def cycle_with(policy: str = policy) -> None:
+                go.offload(target, arena=arena, empty_cache=False, grads=policy)
+                go.reload(target)
+
+            out[f"offload+reload, grads={policy}"] = paired(cycle_with, repeats)
+        for p in params:
+            p.grad = None
     ymed = out["Y"]["median_ms"]
     for k, v in list(out.items()):
         if isinstance(v, dict) and k != "Y":

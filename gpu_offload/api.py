@@ -336,15 +336,26 @@ def _drop(items: list[tuple[int, torch.UntypedStorage, str]]) -> None:
 
 
 def _log_kept_grads(target: Any, resolved: _plan.Resolved) -> None:
+    grads = gradient_tensors(target)
+    if not grads:
+        return
     state = set(resolved.plan.keys)
-    kept: dict[int, int] = {}
-    for _, t in gradient_tensors(target):
-        storage = unwrap(t).untyped_storage()
-        if storage._cdata not in state:
-            kept[storage._cdata] = storage.nbytes()
-    if any(kept.values()):
+    try:  # (the gradients' plan, where the helper records it: no Python call per gradient)
+        found = _plan.resolve(grads) if _plan.recording() else None
+    except OffloadError:
+        found = None
+    if found is not None and found.plan.record is not None:  # (its storages are distinct)
+        sizes = [n for k, n in zip(found.plan.keys, found.layout.storage_columns[1]) if k not in state]
+    else:
+        kept: dict[int, int] = {}
+        for _, t in grads:
+            storage = unwrap(t).untyped_storage()
+            if storage._cdata not in state:
+                kept[storage._cdata] = storage.nbytes()
+        sizes = list(kept.values())
+    if any(sizes):
         logger.info("offload: %d bytes of gradients in %d storages stay on the device (grads='keep'); "
-                    "grads='drop' releases them, grads='copy' moves them too", sum(kept.values()), len(kept))
+                    "grads='drop' releases them, grads='copy' moves them too", sum(sizes), len(sizes))
 
 
 def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", include_grads: bool = False,
