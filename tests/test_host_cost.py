@@ -1029,3 +1029,123 @@ def test_a_dropped_gradients_regrow_that_fails_leaves_them_dropped_for_the_next_
         go.reload(m)  # the gradients, the general way
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters())
     assert go.offloaded_bytes() == 0
+
+
+# -- a torch optimizer's traversal, and targets of several recorded parts --------------------------------------
+def _walked(target, include_grads=False) -> list[tuple[str, torch.Tensor]]:
+    out: list = []
+    grads: list = []
+    adapters._collect(target, "", include_grads, out, grads, top=True)
+    return out + grads
+
+
+def _agrees(target, include_grads=False):
+    named = named_tensors(target, include_grads=include_grads)
+    _same_pairs(named, _walked(target, include_grads))
+    return named
+
+
+def _stepped() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = _model()
+    opt = torch.optim.AdamW([{"params": list(m[0].parameters())}, {"params": list(m[1].parameters()), "lr": 0.1}])
+    _with_grads(m)
+    opt.step()
+    return m, opt
+
+
+class _PropertyGroups(torch.optim.SGD):
+    @property
+    def param_groups(self):  # (what accelerate's AcceleratedOptimizer does: another object's groups)
+        return self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.__dict__["_groups"] = value
+
+
+@pytest.mark.parametrize("change", [
+    "lr", "replace value", "add key", "drop key", "state of a new parameter", "append to params",
+    "replace in params", "replace params list", "add group", "replace state", "replace param_groups",
+    "clear state", "load_state_dict", "nothing",
+])
+def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
+    m, opt = _stepped()
+    first = _agrees(opt)
+    p, q = m[0].inner.weight, m[1].inner.weight
+    extra = torch.nn.Parameter(torch.randn(3))
+    if change == "lr":
+        opt.param_groups[1]["lr"] = 0.5
+    elif change == "replace value":
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    elif change == "add key":
+        opt.state[p]["aaa"] = torch.ones(1)
+    elif change == "drop key":
+        del opt.state[q]["exp_avg_sq"]
+    elif change == "state of a new parameter":
+        opt.param_groups[0]["params"].append(extra)
+        first = _agrees(opt)
+        opt.state[extra]["exp_avg"] = torch.zeros(3)
+    elif change == "append to params":
+        opt.param_groups[0]["params"].append(extra)
+    elif change == "replace in params":
+        opt.param_groups[0]["params"][0] = extra
+    elif change == "replace params list":
+        opt.param_groups[0]["params"] = list(reversed(opt.param_groups[0]["params"]))
+    elif change == "add group":
+        opt.add_param_group({"params": [extra]})
+        opt.state[extra]["momentum"] = torch.zeros(3)
+    elif change == "replace state":
+        from collections import defaultdict
+
+        opt.state = defaultdict(dict, {k: dict(v) for k, v in opt.state.items()})
+        opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    elif change == "replace param_groups":
+        opt.param_groups = [opt.param_groups[1], opt.param_groups[0]]
+    elif change == "clear state":
+        opt.state.clear()
+    elif change == "load_state_dict":
+        sd = opt.state_dict()
+        sd["state"][0] = {k: v.clone() for k, v in sd["state"][0].items()}
+        opt.load_state_dict(sd)  # new state dicts; parameter 0's tensors new ones
+    after = _agrees(opt)
+    if change in ("lr", "nothing"):  # nothing the traversal reads: the same names list, the same tensors
+        assert after.tensors == first.tensors
+        assert after.names is first.names or checks == "python"
+    else:
+        assert [n for n, _ in after] != [n for n, _ in first] or any(a is not b for a, b in zip(after.tensors, first.tensors))
+
+
+def test_an_optimizer_whose_class_reads_param_groups_otherwise_is_walked(checks):
+    m = _model()
+    opt = _PropertyGroups(m.parameters(), lr=0.1, momentum=0.9)
+    _with_grads(m)
+    opt.step()
+    _agrees(opt)
+    if checks == "helper" and adapters._ext.OPTIMIZER_TREE:
+        assert opt not in adapters._optimizer_trees and adapters._ext.build_optimizer_tree(opt) is None
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_a_target_of_recorded_parts_is_named_as_the_walk_names_it(checks, grads):
+    m, opt = _stepped()
+    other = _model()
+    for target in ([m, opt], (opt, m, other), {"model": m, "optimizer": opt}, [m, m]):
+        first = _agrees(target, grads)
+        again = _agrees(target, grads)
+        assert again.names is first.names or checks == "python"
+    # A part that changes is seen; a part that is not recorded (a tensor, a mapping of tensors) is walked.
+    _replace_param(m)
+    _agrees([m, opt], grads)
+    opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.randn(2)))
+    _agrees([m, opt], grads)
+    _agrees([m, torch.randn(3)], grads)
+    _agrees({"model": m, "extra": torch.randn(3)}, grads)
+    _agrees([m, {"w": torch.randn(2)}], grads)
+    # Cycles through them: the bytes come back.
+    target = [m, opt]
+    expected = [t.detach().clone() for _, t in named_tensors(target, include_grads=True)]
+    for policy in ("keep", "copy", "drop"):
+        go.offload(target, grads=policy)
+        go.reload(target)
+    for (name, t), e in zip(named_tensors(target, include_grads=True), expected):
+        assert_bitwise_equal(t.detach(), torch.zeros_like(e) if name.endswith(".grad") else e)

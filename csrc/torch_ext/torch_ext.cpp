@@ -289,4 +289,9 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
         "(tree, names, tensors, num_params) of a plain module's named_parameters + named_buffers "
         "(remove_duplicate=False), or None where the traversal is not a plain one.");
+  m.attr("OPTIMIZER_TREE") = optimizer_tree_supported();
+  bind_optimizer_tree(m);
+  m.def("build_optimizer_tree", &build_optimizer_tree, py::arg("optimizer"),
+        "(tree, names, tensors) of a torch optimizer's state traversal (\"state.<index>.<key>\"), or None where "
+        "its class reads param_groups or state otherwise, or the state is not plain dicts under str keys.");
 }

@@ -204,4 +204,10 @@ py::object build_module_tree(py::handle root, py::handle module_type);  // (tree
 bool check_module_tree(const ModuleTree& tree, py::handle root);
 void bind_module_tree(py::module_& m);
 
+// A torch.optim.Optimizer's state traversal (optimizer_tree.cpp).
+class OptimizerTree;
+bool optimizer_tree_supported();
+py::object build_optimizer_tree(py::handle optimizer);  // (tree, names, tensors) | None
+void bind_optimizer_tree(py::module_& m);
+
 }  // namespace gpu_offload::torch_ext

@@ -91,10 +91,9 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
                 if items[0] is not known:
                     _remember_dict_names(id(target), items[0])
                 return Named(*items)
-        elif isinstance(target, torch.nn.Module):
-            named = _recorded_module_tensors(target, include_grads)
-            if named is not None:
-                return named
+        named = _recorded(target, include_grads)
+        if named is not None:
+            return named
     if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
         # A flat dict of plain tensors (a state dict): no per-item dispatch and no per-item tuple
         # (set(map(type, ...)) runs in C).
@@ -129,11 +128,10 @@ def gradient_tensors(target: Any) -> Named:
     `offload(grads="drop")` releases). Reads: nothing is resharded."""
     if isinstance(target, Mapping) and set(map(type, target.values())) <= PLAIN_TENSOR_TYPES:
         return Named([], [])  # a mapping of tensors is all state
-    if _ext is not None and isinstance(target, torch.nn.Module):
-        named = _recorded_module_tensors(target, True)  # (its recorded traversal: the grads are its tail)
-        if named is not None:
-            k = named.num_grads
-            return Named(named.names[-k:], named.tensors[-k:]) if k else Named([], [])
+    named = _recorded(target, True) if _ext is not None else None  # (recorded: the grads are its tail)
+    if named is not None:
+        k = named.num_grads
+        return Named(named.names[-k:], named.tensors[-k:]) if k else Named([], [])
     out: NamedTensors = []
     grads: NamedTensors = []
     _collect(target, "", True, out, grads, top=True, reshard=False)
@@ -262,6 +260,98 @@ def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,
         return None if got is None else (got[1], got[0])
     tensors = tree.tensors(module)
     return None if tensors is None else (names, tensors)
+
+
+def _recorded(target: Any, include_grads: bool) -> Optional[Named]:
+    """named_tensors() from recorded traversals (the helper's): of a plain module, a torch optimizer, or a
+    list, tuple or dict of them; None where that does not apply."""
+    if isinstance(target, torch.nn.Module):
+        return _recorded_module_tensors(target, include_grads)
+    if isinstance(target, torch.optim.Optimizer):
+        return _recorded_optimizer_tensors(target)
+    if type(target) in (list, tuple, dict) and target:  # e.g. [model, optimizer]: each part recorded
+        return _recorded_parts(target, include_grads)
+    return None
+
+
+# The names of the last lists and dicts of recorded parts read: (the parts' names lists, the joined names), by
+# the joining's key. A call finding each part's names list to be the same object answers the same list (the
+# plan then finds its names by identity). Few and small.
+_joined_names: dict[tuple[Any, ...], tuple[tuple[list[str], ...], list[str]]] = {}
+_JOINED_NAMES_KEPT = 8
+
+
+def _recorded_parts(target: Any, include_grads: bool) -> Optional[Named]:
+    """named_tensors() of a list, tuple or dict (str keys) of modules and torch optimizers that each have a
+    recorded traversal: as _collect names them (each part's state under "<index or key>.", all the parts'
+    states, then all their gradients), without walking any of them in Python; None where that does not
+    apply."""
+    if type(target) is dict:
+        if not set(map(type, target)) <= {str}:
+            return None
+        prefixes, items = list(target), list(target.values())
+    else:
+        prefixes, items = list(map(str, range(len(target)))), list(target)
+    parts: list[Named] = []
+    for item in items:
+        if isinstance(item, torch.nn.Module):
+            part = _recorded_module_tensors(item, include_grads)
+        elif isinstance(item, torch.optim.Optimizer):
+            part = _recorded_optimizer_tensors(item)
+        else:
+            return None
+        if part is None:
+            return None
+        parts.append(part)
+    key = (include_grads, *prefixes, *map(len, (p.names for p in parts)), *map(id, (p.names for p in parts)))
+    found = _joined_names.get(key)
+    if found is not None and all(a is b.names for a, b in zip(found[0], parts)):
+        names = found[1]
+    else:
+        states = [f"{prefix}.{n}" for prefix, p in zip(prefixes, parts) for n in p.names[:len(p.names) - p.num_grads]]
+        grads = [f"{prefix}.{n}" for prefix, p in zip(prefixes, parts) if p.num_grads for n in p.names[-p.num_grads:]]
+        names = states + grads
+        try:
+            while len(_joined_names) >= _JOINED_NAMES_KEPT:
+                _joined_names.pop(next(iter(_joined_names)), None)
+        except (RuntimeError, StopIteration):  # another thread's call changed it meanwhile (a cache only)
+            pass
+        _joined_names[key] = (tuple(p.names for p in parts), names)
+    tensors: list[torch.Tensor] = []
+    for p in parts:
+        tensors.extend(p.tensors[:len(p.tensors) - p.num_grads] if p.num_grads else p.tensors)
+    num_grads = 0
+    for p in parts:
+        if p.num_grads:
+            tensors.extend(p.tensors[-p.num_grads:])
+            num_grads += p.num_grads
+    return Named(names, tensors, num_grads)
+
+
+# A torch optimizer's state traversal, recorded by the helper (names kept; tensors read again each call).
+_optimizer_trees: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, list[str]]]" = weakref.WeakKeyDictionary()
+
+
+def _recorded_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Named]:
+    """torch_optimizer_tensors(optimizer) without walking it in Python: its recorded traversal while nothing it
+    depends on changed (param_groups, each group's params, the state and each parameter's state, see
+    csrc/torch_ext/optimizer_tree.cpp), else recorded again. None where that does not apply: no helper or
+    Python without dict version tags, an optimizer another strategy owns, a class that reads param_groups
+    or state otherwise."""
+    if not getattr(_ext, "OPTIMIZER_TREE", False):
+        return None
+    entry = _optimizer_trees.get(optimizer)
+    tensors = entry[0].tensors(optimizer) if entry is not None else None
+    if tensors is None:
+        # (The strategies that own optimizers recognize them by class, which the record covers.)
+        if strategy_of(optimizer) is not TORCH_OPTIMIZER:
+            return None
+        built = _ext.build_optimizer_tree(optimizer)
+        if built is None:
+            return None
+        tree, names, tensors = built
+        entry = _optimizer_trees[optimizer] = (tree, names)
+    return Named(entry[1], tensors)
 
 
 def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:

@@ -1,0 +1,270 @@
+// A torch.optim.Optimizer's state traversal (adapters.torch_optimizer_tensors: for each parameter of each
+// group, in order, the tensors of its state by sorted key, named "state.<parameter index>.<key>"), recorded
+// so that the next call can tell in one pass that it is still the same, without walking it in Python.
+//
+// The traversal reads the optimizer's param_groups and state (instance attributes: a class that defines
+// either, or its own attribute lookup, is not recorded), the param_groups list, each group's "params"
+// list, the state dict, and each parameter's state dict. Dicts carry CPython's version tags (see
+// module_tree.cpp); lists have none, so their items are compared. A group dict changes at every step (a
+// scheduler writes "lr"): it is looked at again for its "params" list, which must be the recorded one with
+// the recorded items. Only where the tags mean this (CPython 3.11 and 3.12 with the GIL); elsewhere
+// build_optimizer_tree() says None and the caller walks the optimizer in Python every call, as before.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "torch_ext.hpp"
+
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#define GPU_OFFLOAD_OPTIMIZER_TREE 1
+#else
+#define GPU_OFFLOAD_OPTIMIZER_TREE 0
+#endif
+
+namespace py = pybind11;
+
+namespace gpu_offload::torch_ext {
+
+#if GPU_OFFLOAD_OPTIMIZER_TREE
+namespace {
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // ma_version_tag: deprecated in 3.12, still kept
+#endif
+inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+struct Names {
+  PyObject* param_groups = PyUnicode_InternFromString("param_groups");
+  PyObject* state = PyUnicode_InternFromString("state");
+  PyObject* params = PyUnicode_InternFromString("params");
+};
+
+const Names& names() {
+  static const Names* n = new Names();  // never freed: lives as long as the interpreter
+  return *n;
+}
+
+// An object's instance __dict__ when it is an exact dict, else nullptr (no error set).
+PyObject* instance_dict(PyObject* obj) {
+  PyObject** dict_ptr = _PyObject_GetDictPtr(obj);
+  if (dict_ptr == nullptr || *dict_ptr == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return PyDict_CheckExact(*dict_ptr) ? *dict_ptr : nullptr;
+}
+
+PyObject* item_of(PyObject* dict, PyObject* key) {  // borrowed, or nullptr (no error set)
+  PyObject* value = PyDict_GetItemWithError(dict, key);
+  if (value == nullptr) PyErr_Clear();
+  return value;
+}
+
+}  // namespace
+
+class OptimizerTree {
+ public:
+  PyObject* optimizer = nullptr;  // compared, never followed
+  PyTypeObject* type = nullptr;
+  unsigned int type_tag = 0;
+  PyObject* dict = nullptr;  // the optimizer's __dict__
+  uint64_t dict_version = 0;
+  PyObject* groups = nullptr;  // param_groups, a list
+  std::vector<PyObject*> group_dicts;
+  std::vector<uint64_t> group_versions;
+  std::vector<PyObject*> params_lists;  // each group's "params"
+  std::vector<size_t> params_at;  // where each group's parameters start in `params` (one more: the end)
+  std::vector<PyObject*> params;
+  PyObject* state = nullptr;
+  uint64_t state_version = 0;
+  std::vector<PyObject*> param_states;  // each parameter's state dict, or nullptr where it has none
+  std::vector<uint64_t> param_state_versions;
+  std::vector<PyObject*> tensors;  // the traversal's tensors, as recorded
+};
+
+namespace {
+
+// Whether the class reads param_groups and state as plain instance attributes.
+bool plain_class(PyTypeObject* type) {
+  if (type->tp_getattro != PyObject_GenericGetAttr) return false;
+  return _PyType_Lookup(type, names().param_groups) == nullptr && _PyType_Lookup(type, names().state) == nullptr;
+}
+
+bool same_items(PyObject* list, const PyObject* const* recorded, size_t n) {
+  if (!PyList_CheckExact(list) || static_cast<size_t>(PyList_GET_SIZE(list)) != n) return false;
+  return n == 0 || std::memcmp(reinterpret_cast<PyListObject*>(list)->ob_item, recorded, n * sizeof(PyObject*)) == 0;
+}
+
+// Whether `tree` still describes `optimizer` (re-tagging dicts that changed elsewhere: a group's "lr", an
+// attribute of the optimizer other than param_groups and state).
+bool unchanged(OptimizerTree& t, PyObject* optimizer) {
+  if (optimizer != t.optimizer) return false;
+  PyTypeObject* type = Py_TYPE(optimizer);
+  if (type != t.type || type->tp_version_tag != t.type_tag) return false;
+  PyObject* dict = instance_dict(optimizer);
+  if (dict == nullptr) return false;
+  if (dict != t.dict || version_of(dict) != t.dict_version) {
+    if (item_of(dict, names().param_groups) != t.groups || item_of(dict, names().state) != t.state) return false;
+    t.dict = dict;
+    t.dict_version = version_of(dict);
+  }
+  // (groups is alive: the unchanged __dict__ holds it; the group dicts are its items, compared.)
+  if (!same_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return false;
+  for (size_t g = 0; g < t.group_dicts.size(); ++g) {
+    PyObject* group = t.group_dicts[g];
+    if (version_of(group) != t.group_versions[g]) {
+      if (item_of(group, names().params) != t.params_lists[g]) return false;
+      t.group_versions[g] = version_of(group);
+    }
+    const size_t at = t.params_at[g];
+    if (!same_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return false;
+  }
+  if (version_of(t.state) != t.state_version) return false;
+  // (Each recorded state dict is alive: the unchanged state dict holds it.)
+  const size_t n = t.param_states.size();
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && t.param_states[i + kAhead] != nullptr) __builtin_prefetch(t.param_states[i + kAhead]);
+    if (t.param_states[i] != nullptr && version_of(t.param_states[i]) != t.param_state_versions[i]) return false;
+  }
+  return true;
+}
+
+py::list tensor_list(const OptimizerTree& t) {
+  py::list out(t.tensors.size());
+  PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  for (size_t i = 0; i < t.tensors.size(); ++i) {
+    Py_INCREF(t.tensors[i]);
+    items[i] = t.tensors[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+bool optimizer_tree_supported() { return true; }
+
+py::object build_optimizer_tree(py::handle optimizer_handle) {
+  PyObject* optimizer = optimizer_handle.ptr();
+  PyTypeObject* type = Py_TYPE(optimizer);
+  if (!plain_class(type) || type->tp_version_tag == 0) return py::none();
+  auto tree = std::make_unique<OptimizerTree>();
+  OptimizerTree& t = *tree;
+  t.optimizer = optimizer;
+  t.type = type;
+  t.type_tag = type->tp_version_tag;
+  t.dict = instance_dict(optimizer);
+  if (t.dict == nullptr) return py::none();
+  t.dict_version = version_of(t.dict);
+  t.groups = item_of(t.dict, names().param_groups);
+  t.state = item_of(t.dict, names().state);
+  if (t.groups == nullptr || !PyList_CheckExact(t.groups) || t.state == nullptr || !PyDict_Check(t.state)) {
+    return py::none();
+  }
+  // Held while the traversal runs (a parameter's __hash__, asked by the state lookups, is Python code).
+  py::object hold_dict = py::reinterpret_borrow<py::object>(t.dict);
+  py::object hold_groups = py::reinterpret_borrow<py::object>(t.groups);
+  py::object hold_state = py::reinterpret_borrow<py::object>(t.state);
+  t.state_version = version_of(t.state);
+  py::list names_out, tensors_out;
+  std::vector<py::object> held;  // the groups, params lists and state dicts, while the lookups run
+  const Py_ssize_t num_groups = PyList_GET_SIZE(t.groups);
+  int64_t index = 0;
+  t.params_at.push_back(0);
+  for (Py_ssize_t g = 0; g < num_groups; ++g) {
+    PyObject* group = PyList_GET_ITEM(t.groups, g);
+    if (!PyDict_CheckExact(group)) return py::none();
+    PyObject* params = item_of(group, names().params);
+    if (params == nullptr || !PyList_CheckExact(params)) return py::none();
+    held.push_back(py::reinterpret_borrow<py::object>(group));
+    held.push_back(py::reinterpret_borrow<py::object>(params));
+    t.group_dicts.push_back(group);
+    t.group_versions.push_back(version_of(group));
+    t.params_lists.push_back(params);
+    const Py_ssize_t num_params = PyList_GET_SIZE(params);
+    for (Py_ssize_t k = 0; k < num_params; ++k, ++index) {
+      PyObject* p = PyList_GET_ITEM(params, k);
+      t.params.push_back(p);
+      PyObject* st = PyDict_GetItemWithError(t.state, p);  // (hashes p: Tensor.__hash__, Python code)
+      if (st == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        t.param_states.push_back(nullptr);
+        t.param_state_versions.push_back(0);
+        continue;
+      }
+      if (!PyDict_CheckExact(st)) return py::none();
+      held.push_back(py::reinterpret_borrow<py::object>(st));
+      t.param_states.push_back(st);
+      t.param_state_versions.push_back(version_of(st));
+      // sorted(state): str keys only (Python's sorted would refuse a mix), each tensor value under its key.
+      std::vector<PyObject*> keys;
+      Py_ssize_t pos = 0;
+      PyObject *key, *value;
+      while (PyDict_Next(st, &pos, &key, &value)) {
+        if (!PyUnicode_CheckExact(key)) return py::none();
+        keys.push_back(key);
+      }
+      std::sort(keys.begin(), keys.end(), [](PyObject* a, PyObject* b) { return PyUnicode_Compare(a, b) < 0; });
+      for (PyObject* k2 : keys) {
+        PyObject* v = item_of(st, k2);
+        if (v == nullptr || !THPVariable_Check(v)) continue;
+        py::str name = py::str("state.{}.{}").format(index, py::handle(k2));
+        names_out.append(name);
+        tensors_out.append(py::handle(v));
+        t.tensors.push_back(v);
+      }
+    }
+    t.params_at.push_back(t.params.size());
+  }
+  // Nothing the lookups ran may have changed what was read.
+  if (version_of(t.dict) != t.dict_version || version_of(t.state) != t.state_version) return py::none();
+  for (size_t g = 0; g < t.group_dicts.size(); ++g) {
+    if (version_of(t.group_dicts[g]) != t.group_versions[g]) return py::none();
+  }
+  for (size_t i = 0; i < t.param_states.size(); ++i) {
+    if (t.param_states[i] != nullptr && version_of(t.param_states[i]) != t.param_state_versions[i]) return py::none();
+  }
+  if (!same_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return py::none();
+  for (size_t g = 0; g < t.group_dicts.size(); ++g) {
+    const size_t at = t.params_at[g];
+    if (!same_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return py::none();
+  }
+  return py::make_tuple(py::cast(tree.release(), py::return_value_policy::take_ownership), names_out, tensors_out);
+}
+
+void bind_optimizer_tree(py::module_& m) {
+  py::class_<OptimizerTree>(m, "OptimizerTree")
+      .def(
+          "tensors",
+          [](OptimizerTree& t, py::handle optimizer) -> py::object {
+            if (!unchanged(t, optimizer.ptr())) return py::none();
+            return tensor_list(t);
+          },
+          py::arg("optimizer"),
+          "The traversal's tensors, read from the unchanged optimizer; None if anything it depends on changed.")
+      .def_property_readonly("num_params", [](const OptimizerTree& t) { return t.params.size(); });
+}
+
+#else  // no usable dict version tags: no recorded traversal
+
+class OptimizerTree {};
+bool optimizer_tree_supported() { return false; }
+py::object build_optimizer_tree(py::handle) { return py::none(); }
+void bind_optimizer_tree(py::module_& m) {
+  py::class_<OptimizerTree>(m, "OptimizerTree")
+      .def("tensors", [](const OptimizerTree&, py::handle) { return py::none(); }, py::arg("optimizer"));
+}
+
+#endif
+
+}  // namespace gpu_offload::torch_ext
