@@ -7,6 +7,7 @@ ms and in Y, Y being one Python pass `[t.data_ptr() for t in ts]` over the same 
 Measures (each the median of --repeats calls, with the slowest/fastest spread):
   dict / module (a tree of nn.Linear(2, 2, bias=False), 256 per block, the shape of an MoE's experts):
     cached snapshot+wait+free, restore, offload+reload, and the first (uncached) snapshot;
+  model+adamw: [module, its AdamW after one step] (a quarter of the tensors the parameters), the same rows;
   llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
   and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
   by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids); on CUDA also
@@ -78,6 +79,9 @@ def _stat(samples: list[float], ys: list[float] | None = None) -> dict[str, floa
     return out
 
 
+KINDS = ["dict", "module", "model+adamw", "llm"]
+
+
 def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
     blocks = []
     left = num_tensors
@@ -107,9 +111,11 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
 
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
-        trees = getattr(adapters, "_trees", None)  # a module's recorded traversal too (absent in older versions)
-        if trees is not None:
-            trees.clear()
+        # The recorded traversals too (a module's, an optimizer's, a list's joined names; absent in older versions).
+        for name in ("_trees", "_optimizer_trees", "_joined_names"):
+            recorded = getattr(adapters, name, None)
+            if recorded is not None:
+                recorded.clear()
 
     out["first snapshot (uncached)"] = paired(lambda: go.snapshot(target, arena=arena).wait().free(),
                                               max(3, repeats // 3), setup=forget, warmup=1)
@@ -152,9 +158,10 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         go.offload(target, arena=arena, empty_cache=False)  # the plan as a cycle finds it
         go.reload(target)
         out["checks (in offload+reload)"] = paired(checks, repeats)
-    if isinstance(target, torch.nn.Module):
+    modules = [target] if isinstance(target, torch.nn.Module) else [x for x in target if isinstance(x, torch.nn.Module)]
+    if modules:
         # After a backward: every parameter has a .grad (as many tensors again), under each grads policy.
-        params = list(target.parameters())
+        params = [p for m in modules for p in m.parameters()]
         for p in params:
             p.grad = torch.zeros_like(p)
         for policy in ("keep", "copy", "drop"):
@@ -178,7 +185,7 @@ def main() -> int:
     p.add_argument("--tensors", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", type=str, default=None)
-    p.add_argument("--only", choices=["dict", "module", "llm"], action="append")
+    p.add_argument("--only", choices=KINDS, action="append")
     p.add_argument("--device", default="cpu",
                    help="where the tensors live (cuda: torch's caching allocator in the allocator row)")
     p.add_argument("--import-deepspeed", action="store_true",
@@ -189,9 +196,9 @@ def main() -> int:
                         "process of its own: a target built on the heap the one before it left is scattered "
                         "over it, and every figure of it moves, Y's too, by up to 2x)")
     args = p.parse_args()
-    only = set(args.only or ["dict", "module", "llm"])
+    only = set(args.only or KINDS)
     if len(only) > 1 and not args.one_process:
-        results = _in_own_processes(args, [k for k in ("dict", "module", "llm") if k in only])
+        results = _in_own_processes(args, [k for k in KINDS if k in only])
     else:
         results = _measure(args, only)
     _print(results)
@@ -238,6 +245,20 @@ def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
         m = make_module(args.tensors).to(args.device)
         results["module"] = measure_target("module", m, list(m.parameters()), args.repeats, arena)
         del m
+    if "model+adamw" in only:
+        # [model, its AdamW after a step]: a quarter of the tensors are parameters, the rest the optimizer's
+        # exp_avg, exp_avg_sq and step of each.
+        m = make_module(max(1, args.tensors // 4)).to(args.device)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in m.parameters():
+            p.grad = None
+        target = [m, opt]
+        results["model+adamw"] = measure_target("model+adamw", target, adapters.named_tensors(target).tensors,
+                                                args.repeats, arena)
+        del m, opt, target
     if "llm" in only:
         layout = bench.load_layout("qwen1.5b", dtype="float32")
         t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4], device=args.device) for i, shape in enumerate(layout.shapes)}
@@ -247,7 +268,7 @@ def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
 
 
 def _print(results: dict[str, Any]) -> None:
-    for key in ("dict", "module", "llm339"):
+    for key in ("dict", "module", "model+adamw", "llm339"):
         r = results.get(key)
         if r is None:
             continue

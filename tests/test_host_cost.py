@@ -1149,3 +1149,22 @@ def test_a_target_of_recorded_parts_is_named_as_the_walk_names_it(checks, grads)
         go.reload(target)
     for (name, t), e in zip(named_tensors(target, include_grads=True), expected):
         assert_bitwise_equal(t.detach(), torch.zeros_like(e) if name.endswith(".grad") else e)
+
+
+@needs_ext
+def test_a_module_holding_another_strategys_class_is_not_recorded(monkeypatch, checks):
+    # FSDP's recognizers walk every submodule in Python; the record's walk refuses their classes instead
+    # (fsdp.wrapper_classes()): a module with one anywhere is the strategy's, not a plain one.
+    from gpu_offload.adapters import fsdp
+
+    if checks == "python":
+        pytest.skip("the helper's records only")
+    m = _model()
+    assert torch_ext.ext.build_module_tree(m, torch.nn.Module, (torch.nn.ModuleList,)) is None
+    assert torch_ext.ext.build_module_tree(m, torch.nn.Module, ()) is not None
+    monkeypatch.setattr(fsdp, "wrapper_classes", lambda: (Block,))
+    named_tensors(m)
+    assert m not in adapters._trees
+    monkeypatch.undo()
+    named_tensors(m)
+    assert m in adapters._trees

@@ -125,7 +125,8 @@ struct ModuleMethods {
 
 class Builder {
  public:
-  Builder(PyTypeObject* module_type) : module_type_(module_type) {
+  Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused)
+      : module_type_(module_type), refused_(std::move(refused)) {
     base_.named_modules = lookup(module_type, "named_modules");
     base_.named_parameters = lookup(module_type, "named_parameters");
     base_.named_buffers = lookup(module_type, "named_buffers");
@@ -290,6 +291,7 @@ class Builder {
     if (it != plain_.end() && (!root || it->second.second)) return it->second.first;
     bool ok = lookup(type, "named_modules") == base_.named_modules &&
               lookup(type, "__getattribute__") == base_.getattribute;
+    for (PyTypeObject* refused : refused_) ok = ok && !PyType_IsSubtype(type, refused);  // (another strategy's)
     for (int p = 0; ok && p < 3; ++p) ok = lookup(type, kPartNames[p]) == nullptr;  // no descriptor shadows them
     bool root_ok = ok && lookup(type, "named_parameters") == base_.named_parameters &&
                    lookup(type, "named_buffers") == base_.named_buffers &&
@@ -355,6 +357,7 @@ class Builder {
   }
 
   PyTypeObject* module_type_;
+  std::vector<PyTypeObject*> refused_;  // classes whose instances make the module another strategy's
   ModuleMethods base_;
   std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
   ModuleTree tree_;
@@ -368,9 +371,14 @@ class Builder {
 
 bool module_tree_supported() { return true; }
 
-py::object build_module_tree(py::handle root, py::handle module_type) {
+py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
-  Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()));
+  std::vector<PyTypeObject*> refused_types;
+  for (py::handle t : refused) {
+    if (!PyType_Check(t.ptr())) throw py::type_error("refused: classes only");
+    refused_types.push_back(reinterpret_cast<PyTypeObject*>(t.ptr()));
+  }
+  Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()), std::move(refused_types));
   if (!b.visit(root.ptr(), nullptr, 0, true)) return py::none();
   return b.result();
 }
@@ -551,7 +559,7 @@ void bind_module_tree(py::module_& m) {
 
 class ModuleTree {};
 bool module_tree_supported() { return false; }
-py::object build_module_tree(py::handle, py::handle) { return py::none(); }
+py::object build_module_tree(py::handle, py::handle, py::tuple) { return py::none(); }
 bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")

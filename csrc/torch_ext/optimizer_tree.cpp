@@ -218,8 +218,9 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
       for (PyObject* k2 : keys) {
         PyObject* v = item_of(st, k2);
         if (v == nullptr || !THPVariable_Check(v)) continue;
-        py::str name = py::str("state.{}.{}").format(index, py::handle(k2));
-        names_out.append(name);
+        PyObject* name = PyUnicode_FromFormat("state.%lld.%U", static_cast<long long>(index), k2);
+        if (name == nullptr) throw py::error_already_set();
+        names_out.append(py::reinterpret_steal<py::object>(name));
         tensors_out.append(py::handle(v));
         t.tensors.push_back(v);
       }

@@ -200,7 +200,8 @@ void bump_versions(py::handle list);
 // A plain nn.Module tree's traversal (module_tree.cpp).
 class ModuleTree;
 bool module_tree_supported();
-py::object build_module_tree(py::handle root, py::handle module_type);  // (tree, names, tensors, num_params) | None
+// (tree, names, tensors, num_params) | None; None too where a module is an instance of a `refused` class.
+py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused);
 bool check_module_tree(const ModuleTree& tree, py::handle root);
 void bind_module_tree(py::module_& m);
 

@@ -234,9 +234,10 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     if got is None:
         # The strategy depends only on the modules' classes, which the record covers, and on whether
         # ZeRO-3 converted the parameters, asked below over the recorded ones (not in a Python walk).
-        if _strategy_but_zero3(module) is not PLAIN_MODULE:
+        if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:
             return None
-        built = _ext.build_module_tree(module, torch.nn.Module)
+        # (FSDP's recognizers walk every submodule in Python: the C++ walk refuses their classes instead.)
+        built = _ext.build_module_tree(module, torch.nn.Module, fsdp.wrapper_classes())
         if built is None:
             return None
         tree, names, tensors, num_params = built
@@ -375,10 +376,13 @@ def _recorded_strategy(obj: Any) -> Optional[Strategy]:
     return deepspeed.ZERO3_MODULE if _converted_by_zero3(tensors, entry[2]) else PLAIN_MODULE
 
 
-def _strategy_but_zero3(obj: Any) -> Optional[Strategy]:
-    """strategy_of(obj) without ZeRO-3's recognizer (the one that walks every parameter)."""
+def _strategy_but_zero3(obj: Any, walk: bool = True) -> Optional[Strategy]:
+    """strategy_of(obj) without ZeRO-3's recognizer (the one that walks every parameter); without `walk`,
+    without FSDP's either (they walk every submodule: the caller checks their classes itself)."""
     for strategy in STRATEGIES:
-        if strategy is not deepspeed.ZERO3_MODULE and strategy.recognizes(obj):
+        if strategy is deepspeed.ZERO3_MODULE or (not walk and strategy in (fsdp.FSDP1, fsdp.FSDP2)):
+            continue
+        if strategy.recognizes(obj):
             return strategy
     return None
 

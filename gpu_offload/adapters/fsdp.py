@@ -79,6 +79,12 @@ def _fsdp2_class() -> type | None:
     return FSDPModule
 
 
+def wrapper_classes() -> tuple[type, ...]:
+    """The classes whose instances anywhere in a module make it FSDP's (FSDP1's wrapper, FSDP2's
+    FSDPModule); none while FSDP is not imported."""
+    return tuple(c for c in (_fsdp1_class(), _fsdp2_class()) if c is not None)
+
+
 def _contains(module: nn.Module, cls: type | None) -> bool:
     return cls is not None and isinstance(module, nn.Module) and any(isinstance(m, cls) for m in module.modules())
 
