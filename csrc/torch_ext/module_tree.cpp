@@ -27,11 +27,7 @@
 
 #include "torch_ext.hpp"
 
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
-#define GPU_OFFLOAD_MODULE_TREE 1
-#else
-#define GPU_OFFLOAD_MODULE_TREE 0
-#endif
+#define GPU_OFFLOAD_MODULE_TREE GPU_OFFLOAD_DICT_VERSION_TAGS
 
 namespace py = pybind11;
 
@@ -40,14 +36,6 @@ namespace gpu_offload::torch_ext {
 #if GPU_OFFLOAD_MODULE_TREE
 namespace {
 
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // ma_version_tag: deprecated in 3.12, still kept
-#endif
-inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag; }
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 struct ModuleFacts {
   PyObject* module;  // compared, and followed only once its parent's _modules was found unchanged

@@ -19,9 +19,29 @@ struct StorageImpl;
 struct TensorImpl;
 }  // namespace c10
 
+// CPython's dict version tags (PEP 509: renewed by every change of a dict's contents), where they mean what
+// the recorded traversals rely on: CPython 3.11 and 3.12 with the GIL (3.13 keeps inline values beside a
+// materialized __dict__, 3.14 retires the tag). module_tree.cpp and optimizer_tree.cpp.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#define GPU_OFFLOAD_DICT_VERSION_TAGS 1
+#else
+#define GPU_OFFLOAD_DICT_VERSION_TAGS 0
+#endif
+
 namespace gpu_offload::torch_ext {
 
 namespace py = pybind11;
+
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // ma_version_tag: deprecated in 3.12, still kept
+#endif
+inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObject*>(dict)->ma_version_tag; }
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
 // The StorageImpl behind a tensor, an UntypedStorage or a storage's _cdata (see torch_ext.cpp).
 c10::StorageImpl* storage_of(PyObject* item);
