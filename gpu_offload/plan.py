@@ -540,6 +540,10 @@ def _first_storages(plan: TargetPlan, plain: list[torch.Tensor]) -> list[torch.U
 def data_ptrs(items: Sequence[Any]) -> list[int]:
     """data_ptr() of each tensor or storage; 0 for one whose storage refuses access (offloaded: it holds no
     memory, and a null pointer is what it would give without the refusal)."""
+    if _ext is not None and type(items) is list:  # (one C++ pass: no exception per offloaded item)
+        found = _ext.data_ptrs_or_zero(items)
+        if found is not None:
+            return found
     try:
         return [x.data_ptr() for x in items]
     except RuntimeError:

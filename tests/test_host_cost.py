@@ -1168,3 +1168,30 @@ def test_a_module_holding_another_strategys_class_is_not_recorded(monkeypatch, c
     monkeypatch.undo()
     named_tensors(m)
     assert m in adapters._trees
+
+
+@needs_ext
+def test_data_ptrs_in_one_pass_are_what_data_ptr_says_and_zero_for_offloaded_storages(arena, checks):
+    # plan.data_ptrs (the Python plans' check, of FSDP2's DTensor shards for one): one C++ pass giving each
+    # data_ptr(), and 0 where the storage refuses access, without an exception per offloaded item.
+    if checks == "python":
+        pytest.skip("the helper's pass")
+    base = torch.arange(12, dtype=torch.float32)
+    items = [base, base[3:], base.view(3, 4)[:, 1], torch.empty(0), base[12:], torch.nn.Parameter(torch.ones(2)),
+             base.untyped_storage(), torch.zeros(2, dtype=torch.float64)[1:]]
+    assert torch_ext.ext.data_ptrs_or_zero(items) == [x.data_ptr() for x in items]
+    target = {"a": torch.randn(4), "b": torch.randn(3)}
+    keep = list(target.values())
+    go.offload(target, arena=arena)
+    offloaded = keep + [t.untyped_storage() for t in keep]
+    if torch_ext.access_guard_available():
+        with pytest.raises(RuntimeError):
+            keep[0].data_ptr()
+    assert torch_ext.ext.data_ptrs_or_zero(offloaded) == [0] * 4
+    assert plan.data_ptrs(offloaded + items) == [0] * 4 + [x.data_ptr() for x in items]
+    go.reload(target)
+    assert torch_ext.ext.data_ptrs_or_zero(keep) == [t.data_ptr() for t in keep]
+    class Sub(torch.Tensor):
+        pass
+    assert torch_ext.ext.data_ptrs_or_zero([torch.ones(2).as_subclass(Sub)]) is None  # (the Python loop's)
+    assert torch_ext.ext.data_ptrs_or_zero([3]) is None

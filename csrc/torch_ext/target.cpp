@@ -18,6 +18,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -846,6 +847,34 @@ void bump_versions(py::handle list) {
     if (!t.defined() || t.is_inference()) continue;
     t.unsafeGetTensorImpl()->bump_version();
   }
+}
+
+py::object data_ptrs_or_zero(py::handle list) {
+  Items items = items_of(list);
+  py::list out(items.size);
+  PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + kAhead < items.size) __builtin_prefetch(items.data[i + kAhead]);
+    PyObject* obj = items.data[i];
+    uintptr_t ptr = 0;
+    if (THPVariable_CheckExact(obj)) {
+      const c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+      if (!impl->has_storage() || impl->layout() != c10::kStrided) return py::none();
+      // Tensor.data_ptr(): the storage's memory plus the offset, null for an empty tensor.
+      const void* data = impl->unsafe_storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get();
+      if (data != nullptr && !impl->is_empty()) {
+        ptr = reinterpret_cast<uintptr_t>(data) + impl->itemsize() * static_cast<uintptr_t>(impl->storage_offset());
+      }
+    } else if (THPStorage_Check(obj)) {
+      ptr = reinterpret_cast<uintptr_t>(data_of(THPStorage_Unpack(obj).unsafeGetStorageImpl()));
+    } else {
+      return py::none();
+    }
+    PyObject* value = PyLong_FromSize_t(ptr);
+    if (value == nullptr) throw py::error_already_set();
+    slots[i] = value;
+  }
+  return std::move(out);
 }
 
 // Whether any of the first `count` tensors has a .grad (a module's parameters: their grads join the target

@@ -282,6 +282,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         "(keys, values) of a dict of plain tensors under str keys, or None; `names` (an earlier call's keys) is "
         "answered as the keys where the dict's keys are those very objects, in order.");
   m.def("any_grad", &any_grad, py::arg("tensors"), py::arg("count"));
+  m.def("data_ptrs_or_zero", &data_ptrs_or_zero, py::arg("items"),
+        "data_ptr() of each plain tensor or UntypedStorage in a list, 0 where the storage holds no memory; None "
+        "where an item is something else.");
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
   m.attr("MODULE_TREE") = module_tree_supported();

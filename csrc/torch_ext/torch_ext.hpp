@@ -215,6 +215,10 @@ class StorageWatch {
 void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator);
 py::object plain_items(py::handle mapping, py::handle names);
 bool any_grad(py::handle list, Py_ssize_t count);
+// data_ptr() of each plain tensor or UntypedStorage of a list, 0 for one whose storage holds no memory (an
+// offloaded one, which refuses access in Python), without a Python call or an exception per item; None where
+// an item is anything else (the caller's Python loop decides).
+py::object data_ptrs_or_zero(py::handle list);
 void bump_versions(py::handle list);
 
 // A plain nn.Module tree's traversal (module_tree.cpp).

@@ -103,19 +103,29 @@ def _clean(name: str) -> str:
     return name.replace(_FSDP1_PREFIX, "").replace("._fsdp_wrapped_module", "")
 
 
-def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
-    """Raise when ``module`` mixes ``strategy`` with a wrapper whose state this adapter would miss."""
+def _one_of_each_class(module: nn.Module) -> list[nn.Module]:
+    """One submodule (or the module itself) of each class found in it: what the wrapper checks ask is
+    decided by the class alone (isinstance), so asking each module of a 65536-expert model again is waste."""
+    return list({type(m): m for m in module.modules()}.values())
+
+
+def _has(kinds: list[nn.Module], cls: type | None) -> bool:
+    return cls is not None and any(isinstance(m, cls) for m in kinds)
+
+
+def _reject_other_wrappers(module: nn.Module, strategy: str, kinds: list[nn.Module]) -> None:
+    """Raise when ``module`` mixes ``strategy`` with a wrapper whose state this adapter would miss.
+    kinds: _one_of_each_class(module)."""
     found = []
-    if strategy != "fsdp1" and is_fsdp1(module):
+    if strategy != "fsdp1" and _has(kinds, _fsdp1_class()):
         found.append("FullyShardedDataParallel (FSDP1)")
-    if strategy != "fsdp2" and is_fsdp2(module):
+    if strategy != "fsdp2" and _has(kinds, _fsdp2_class()):
         found.append("fully_shard (FSDP2)")
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if any(isinstance(m, ddp) for m in module.modules()):
+    if _has(kinds, torch.nn.parallel.DistributedDataParallel):
         found.append("torch DistributedDataParallel")
     from .megatron import is_megatron_ddp  # never imports megatron itself
 
-    if any(is_megatron_ddp(m) for m in module.modules()):
+    if any(is_megatron_ddp(m) for m in kinds):
         found.append("a megatron-core data-parallel wrapper")
     if found:
         raise OffloadError(
@@ -125,15 +135,16 @@ def _reject_other_wrappers(module: nn.Module, strategy: str) -> None:
 
 
 def _plain_tensors(
-    module: nn.Module, managed: set[int], include_grads: bool
+    module: nn.Module, managed: set[int], include_grads: bool, params: list[tuple[str, nn.Parameter]]
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """Parameters no FSDP unit manages (ignored or outside every unit) plus all buffers: replicated state;
-    and their gradients. DTensors are listed as such (the core copies their local shards)."""
+    and their gradients. DTensors are listed as such (the core copies their local shards). params: the
+    module's named_parameters(remove_duplicate=False)."""
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     # Every name of a tied tensor is listed, as the core does for plain modules, so that a twin is checked
     # to be tied the same way.
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in params:
         if id(p) in managed:
             continue
         out.append((_clean(name), p))
@@ -208,9 +219,10 @@ def fsdp1_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
 
 def _fsdp1_named(module: nn.Module, *, include_grads: bool,
                  reshard: bool) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    if not is_fsdp1(module):
+    kinds = _one_of_each_class(module)
+    if not _has(kinds, _fsdp1_class()):
         raise OffloadError(f"{type(module).__name__} contains no FullyShardedDataParallel unit")
-    _reject_other_wrappers(module, "fsdp1")
+    _reject_other_wrappers(module, "fsdp1", kinds)
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     managed: set[int] = set()
@@ -227,7 +239,8 @@ def _fsdp1_named(module: nn.Module, *, include_grads: bool,
                 managed.add(id(p))
         if include_grads and fp.grad is not None:
             grads.append((f"{name}.grad", fp.grad))
-    plain, plain_grads = _plain_tensors(module, managed, include_grads)
+    plain, plain_grads = _plain_tensors(module, managed, include_grads,
+                                        list(module.named_parameters(remove_duplicate=False)))
     return out + plain, grads + plain_grads
 
 
@@ -281,9 +294,10 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
 def _fsdp2_named(module: nn.Module, *, include_grads: bool,
                  reshard: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     # `reshard` is accepted for symmetry with FSDP1 and ignored (see below).
-    if not is_fsdp2(module):
+    kinds = _one_of_each_class(module)
+    if not _has(kinds, _fsdp2_class()):
         raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
-    _reject_other_wrappers(module, "fsdp2")
+    _reject_other_wrappers(module, "fsdp2", kinds)
     by_param: dict[int, Any] = {}
     for path, m, group in _fsdp2_groups(module):
         # Always, reads too: while a group is unsharded its registered parameters are the unsharded
@@ -294,7 +308,8 @@ def _fsdp2_named(module: nn.Module, *, include_grads: bool,
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     managed: set[int] = set()
-    for name, p in module.named_parameters(remove_duplicate=False):
+    params = list(module.named_parameters(remove_duplicate=False))
+    for name, p in params:
         fsdp_param = by_param.get(id(p))
         if fsdp_param is None:
             continue
@@ -316,7 +331,7 @@ def _fsdp2_named(module: nn.Module, *, include_grads: bool,
         raise OffloadError(
             f"{missing} fully_shard parameter(s) are not registered on the module, so they cannot be named"
         )
-    plain, plain_grads = _plain_tensors(module, managed, include_grads)
+    plain, plain_grads = _plain_tensors(module, managed, include_grads, params)
     return out + plain, grads + plain_grads
 
 
