@@ -1066,7 +1066,7 @@ class _PropertyGroups(torch.optim.SGD):
 @pytest.mark.parametrize("change", [
     "lr", "replace value", "add key", "drop key", "state of a new parameter", "append to params",
     "replace in params", "replace params list", "add group", "replace state", "replace param_groups",
-    "clear state", "load_state_dict", "nothing",
+    "clear state", "load_state_dict", "non-ascii key", "nothing",
 ])
 def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
     m, opt = _stepped()
@@ -1079,6 +1079,8 @@ def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
         opt.state[p]["exp_avg"] = torch.zeros_like(p)
     elif change == "add key":
         opt.state[p]["aaa"] = torch.ones(1)
+    elif change == "non-ascii key":
+        opt.state[p]["momentum_\u00e9\u4e2d"] = torch.ones(1)
     elif change == "drop key":
         del opt.state[q]["exp_avg_sq"]
     elif change == "state of a new parameter":
@@ -1115,6 +1117,11 @@ def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
         assert [n for n, _ in after] != [n for n, _ in first] or any(a is not b for a, b in zip(after.tensors, first.tensors))
 
 
+class _CountingState(dict):
+    def get(self, key, default=None):  # (a state whose lookups are its own: asked, not read around)
+        return super().get(key, default)
+
+
 def test_an_optimizer_whose_class_reads_param_groups_otherwise_is_walked(checks):
     m = _model()
     opt = _PropertyGroups(m.parameters(), lr=0.1, momentum=0.9)
@@ -1123,6 +1130,12 @@ def test_an_optimizer_whose_class_reads_param_groups_otherwise_is_walked(checks)
     _agrees(opt)
     if checks == "helper" and adapters._ext.OPTIMIZER_TREE:
         assert opt not in adapters._optimizer_trees and adapters._ext.build_optimizer_tree(opt) is None
+    # A state that is neither a dict nor torch's defaultdict: walked too.
+    m, opt = _stepped()
+    opt.state = _CountingState(opt.state)
+    _agrees(opt)
+    if checks == "helper" and adapters._ext.OPTIMIZER_TREE:
+        assert adapters._ext.build_optimizer_tree(opt) is None
 
 
 @pytest.mark.parametrize("grads", [False, True])

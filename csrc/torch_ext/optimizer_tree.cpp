@@ -15,8 +15,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "torch_ext.hpp"
@@ -56,6 +58,25 @@ PyObject* item_of(PyObject* dict, PyObject* key) {  // borrowed, or nullptr (no 
   PyObject* value = PyDict_GetItemWithError(dict, key);
   if (value == nullptr) PyErr_Clear();
   return value;
+}
+
+// "state.<index>.<key>": for an ASCII key in one allocation straight from the bytes (a name per state
+// tensor: the most of a first call's own work), else through PyUnicode_FromFormat.
+PyObject* state_name(int64_t index, PyObject* key) {
+  if (!PyUnicode_IS_ASCII(key)) {
+    PyObject* name = PyUnicode_FromFormat("state.%lld.%U", static_cast<long long>(index), key);
+    if (name == nullptr) throw py::error_already_set();
+    return name;
+  }
+  char prefix[32];
+  const int a = std::snprintf(prefix, sizeof(prefix), "state.%lld.", static_cast<long long>(index));
+  const Py_ssize_t b = PyUnicode_GET_LENGTH(key);
+  PyObject* name = PyUnicode_New(a + b, 127);
+  if (name == nullptr) throw py::error_already_set();
+  char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(name));
+  std::memcpy(out, prefix, static_cast<size_t>(a));
+  std::memcpy(out + a, PyUnicode_1BYTE_DATA(key), static_cast<size_t>(b));
+  return name;
 }
 
 }  // namespace
@@ -156,16 +177,28 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   t.dict_version = version_of(t.dict);
   t.groups = item_of(t.dict, names().param_groups);
   t.state = item_of(t.dict, names().state);
-  if (t.groups == nullptr || !PyList_CheckExact(t.groups) || t.state == nullptr || !PyDict_Check(t.state)) {
+  // The state: a dict or torch's defaultdict (a subclass with a `get` of its own would be asked otherwise).
+  static PyObject* defaultdict = py::object(py::module_::import("collections").attr("defaultdict")).release().ptr();
+  if (t.groups == nullptr || !PyList_CheckExact(t.groups) || t.state == nullptr ||
+      !(PyDict_CheckExact(t.state) || Py_TYPE(t.state) == reinterpret_cast<PyTypeObject*>(defaultdict))) {
     return py::none();
   }
-  // Held while the traversal runs (a parameter's __hash__, asked by the state lookups, is Python code).
+  // (Nothing below runs Python code; the references and the re-check at the end guard it should that change.)
   py::object hold_dict = py::reinterpret_borrow<py::object>(t.dict);
   py::object hold_groups = py::reinterpret_borrow<py::object>(t.groups);
   py::object hold_state = py::reinterpret_borrow<py::object>(t.state);
   t.state_version = version_of(t.state);
   py::list names_out, tensors_out;
   std::vector<py::object> held;  // the groups, params lists and state dicts, while the lookups run
+  // The state's entries by key identity: what state.get(p) finds (a key is the parameter itself), without
+  // hashing each parameter through Tensor.__hash__, Python code.
+  std::unordered_map<PyObject*, PyObject*> state_of;
+  state_of.reserve(static_cast<size_t>(PyDict_GET_SIZE(t.state)));
+  {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(t.state, &pos, &key, &value)) state_of.emplace(key, value);
+  }
   const Py_ssize_t num_groups = PyList_GET_SIZE(t.groups);
   int64_t index = 0;
   t.params_at.push_back(0);
@@ -183,9 +216,9 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
     for (Py_ssize_t k = 0; k < num_params; ++k, ++index) {
       PyObject* p = PyList_GET_ITEM(params, k);
       t.params.push_back(p);
-      PyObject* st = PyDict_GetItemWithError(t.state, p);  // (hashes p: Tensor.__hash__, Python code)
+      const auto found = state_of.find(p);
+      PyObject* st = found != state_of.end() ? found->second : nullptr;
       if (st == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
         t.param_states.push_back(nullptr);
         t.param_state_versions.push_back(0);
         continue;
@@ -206,8 +239,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
       for (PyObject* k2 : keys) {
         PyObject* v = item_of(st, k2);
         if (v == nullptr || !THPVariable_Check(v)) continue;
-        PyObject* name = PyUnicode_FromFormat("state.%lld.%U", static_cast<long long>(index), k2);
-        if (name == nullptr) throw py::error_already_set();
+        PyObject* name = state_name(index, k2);
         names_out.append(py::reinterpret_steal<py::object>(name));
         tensors_out.append(py::handle(v));
         t.tensors.push_back(v);
