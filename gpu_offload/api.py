@@ -20,7 +20,7 @@ from . import overlap as _overlap
 from . import plan as _plan
 from . import registry as _registry
 from ._errors import OffloadError
-from .adapters import Named, gradient_tensors, named_tensors, shard_info
+from .adapters import gradient_tensors, named_tensors, shard_info
 from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
@@ -540,10 +540,9 @@ def _regrow_dropped(named: Any, dropped: _registry.OffloadedSet) -> None:
     """Re-allocates, zeroed, the gradients an offload(grads="drop") released with its state (the registry
     lock held; the state is back already): through their plan where it still fits them, else the general
     way. An error leaves them dropped and registered, for the next reload."""
-    k = getattr(named, "num_grads", 0)
-    if not k:  # (its gradients are gone: none of them is still the target's)
+    if not getattr(named, "num_grads", 0):  # (its gradients are gone: none of them is still the target's)
         return
-    grads = Named(named.names[-k:], named.tensors[-k:])
+    grads = named.grads()
     resolved = _plan.cached(grads, hold=True, accept=lambda plan: plan.dropped is dropped)
     if resolved is None:  # (replaced or changed since: whichever of them is still dropped)
         _reload_bound(grads, False, required=False)

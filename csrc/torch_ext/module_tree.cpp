@@ -433,36 +433,23 @@ bool check_module_tree(const ModuleTree& tree, py::handle root) {
   return walk(const_cast<ModuleTree&>(tree), root.ptr());
 }
 
-// The traversal's tensors, read again from the unchanged dicts (the tree keeps no tensor alive), or None
-// when `root` changed. With `no_grads`, False where a parameter has a .grad (its grads join the target: the
-// caller's general path), found in the same pass.
-py::object tree_tensors(const ModuleTree& tree, py::handle root, bool no_grads) {
-  if (!walk(const_cast<ModuleTree&>(tree), root.ptr())) return py::none();
-  // Unchanged dicts hold the recorded objects (alive, and read only now): no need to iterate them again.
-  const size_t n = tree.tensors.size(), num_params = no_grads ? tree.num_params : 0;
-  py::list out(n);
-  PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
-  // Memory-bound: each object a few ahead; for the grads, each parameter's TensorImpl, then autograd meta.
-  constexpr size_t kAhead = 8;
+// The recorded tensors into a list's first slots, each a new reference (the unchanged dicts hold them: alive).
+static void put_tensors(const ModuleTree& tree, PyObject** items) {
+  const size_t n = tree.tensors.size();
+  constexpr size_t kAhead = 24;  // (memory-bound: each object's refcount, a few ahead)
   for (size_t i = 0; i < n; ++i) {
-    if (i + 3 * kAhead < n) __builtin_prefetch(tree.tensors[i + 3 * kAhead], 1);
-    if (i < num_params) {
-      if (i + 2 * kAhead < num_params && THPVariable_Check(tree.tensors[i + 2 * kAhead])) {
-        __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + 2 * kAhead]).unsafeGetTensorImpl());
-      }
-      if (i + kAhead < num_params && THPVariable_Check(tree.tensors[i + kAhead])) {
-        __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + kAhead]).unsafeGetTensorImpl()->autograd_meta());
-      }
-      // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
-      if (!THPVariable_Check(tree.tensors[i]) ||
-          THPVariable_Unpack(tree.tensors[i]).unsafeGetTensorImpl()->grad().defined()) {
-        return py::bool_(false);  // (the list, partly filled, is dropped: its empty slots are NULL)
-      }
-    }
-    PyObject* t = tree.tensors[i];
-    Py_INCREF(t);
-    items[i] = t;
+    if (i + kAhead < n) __builtin_prefetch(tree.tensors[i + kAhead], 1);
+    Py_INCREF(tree.tensors[i]);
+    items[i] = tree.tensors[i];
   }
+}
+
+// The traversal's tensors, read again from the unchanged dicts (the tree keeps no tensor alive), or None
+// when `root` changed.
+py::object tree_tensors(const ModuleTree& tree, py::handle root) {
+  if (!walk(const_cast<ModuleTree&>(tree), root.ptr())) return py::none();
+  py::list out(tree.tensors.size());
+  put_tensors(tree, reinterpret_cast<PyListObject*>(out.ptr())->ob_item);
   return std::move(out);
 }
 
@@ -478,7 +465,7 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   const size_t n = tree.tensors.size(), num_params = tree.num_params;
   std::vector<int32_t> grads_of;
   std::vector<py::object> grads;
-  // Memory-bound as tree_tensors(): each parameter's TensorImpl, then its autograd meta, asked for ahead.
+  // Memory-bound: each parameter's object, then its TensorImpl, asked for ahead.
   constexpr size_t kAhead = 8;
   for (size_t i = 0; i < num_params; ++i) {
     if (i + 2 * kAhead < num_params) __builtin_prefetch(tree.tensors[i + 2 * kAhead]);
@@ -495,10 +482,7 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   }
   py::list out(n + grads.size());
   PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
-  for (size_t i = 0; i < n; ++i) {
-    Py_INCREF(tree.tensors[i]);
-    items[i] = tree.tensors[i];
-  }
+  put_tensors(tree, items);
   for (size_t k = 0; k < grads.size(); ++k) items[n + k] = grads[k].release().ptr();
   if (grads_of.empty()) return py::make_tuple(out, names);
   if (!(tree.base.ptr() == names.ptr() && tree.grads_of == grads_of && tree.names_with_grads)) {
@@ -532,9 +516,8 @@ void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"),
            "Whether `root` is the module this traversal was recorded from and nothing it depends on changed.")
-      .def("tensors", &tree_tensors, py::arg("root"), py::arg("no_grads") = false,
-           "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed; "
-           "with no_grads, False if a parameter has a .grad.")
+      .def("tensors", &tree_tensors, py::arg("root"),
+           "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed.")
       .def("tensors_with_grads", &tree_tensors_with_grads, py::arg("root"), py::arg("names"),
            "(tensors, names) of the traversal with its gradients, as the Python walk with include_grads names them "
            "(parameters, buffers, then each parameter's .grad as \"<name>.grad\"); None if `root` changed. "
@@ -552,8 +535,7 @@ bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"))
-      .def("tensors", [](const ModuleTree&, py::handle, bool) { return py::none(); }, py::arg("root"),
-           py::arg("no_grads") = false)
+      .def("tensors", [](const ModuleTree&, py::handle) { return py::none(); }, py::arg("root"))
       .def("tensors_with_grads", [](const ModuleTree&, py::handle, py::handle) { return py::none(); },
            py::arg("root"), py::arg("names"));
 }

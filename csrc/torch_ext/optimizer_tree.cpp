@@ -183,7 +183,8 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
       !(PyDict_CheckExact(t.state) || Py_TYPE(t.state) == reinterpret_cast<PyTypeObject*>(defaultdict))) {
     return py::none();
   }
-  // (Nothing below runs Python code; the references and the re-check at the end guard it should that change.)
+  // Held while the traversal runs, and all it read checked again at the end: no lookup below runs Python
+  // code, but an allocation may run the garbage collector, and with it any object's finalizer.
   py::object hold_dict = py::reinterpret_borrow<py::object>(t.dict);
   py::object hold_groups = py::reinterpret_borrow<py::object>(t.groups);
   py::object hold_state = py::reinterpret_borrow<py::object>(t.state);
@@ -247,7 +248,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
     }
     t.params_at.push_back(t.params.size());
   }
-  // Nothing the lookups ran may have changed what was read.
+  // Nothing a finalizer ran (see above) may have changed what was read.
   if (version_of(t.dict) != t.dict_version || version_of(t.state) != t.state_version) return py::none();
   for (size_t g = 0; g < t.group_dicts.size(); ++g) {
     if (version_of(t.group_dicts[g]) != t.group_versions[g]) return py::none();

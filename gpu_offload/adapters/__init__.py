@@ -63,6 +63,11 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
         n = len(self.names) - self.num_grads
         return Named(self.names[:n], self.tensors[:n])
 
+    def grads(self) -> "Named":
+        """The gradients' pairs alone (none where there are none or they are not known)."""
+        k = self.num_grads
+        return Named(self.names[-k:], self.tensors[-k:]) if k else Named([], [])
+
     def __len__(self) -> int:
         return len(self.names)
 
@@ -130,8 +135,7 @@ def gradient_tensors(target: Any) -> Named:
         return Named([], [])  # a mapping of tensors is all state
     named = _recorded(target, True) if _ext is not None else None  # (recorded: the grads are its tail)
     if named is not None:
-        k = named.num_grads
-        return Named(named.names[-k:], named.tensors[-k:]) if k else Named([], [])
+        return named.grads()
     out: NamedTensors = []
     grads: NamedTensors = []
     _collect(target, "", True, out, grads, top=True, reshard=False)
@@ -266,12 +270,17 @@ def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,
 def _recorded(target: Any, include_grads: bool) -> Optional[Named]:
     """named_tensors() from recorded traversals (the helper's): of a plain module, a torch optimizer, or a
     list, tuple or dict of them; None where that does not apply."""
-    if isinstance(target, torch.nn.Module):
-        return _recorded_module_tensors(target, include_grads)
-    if isinstance(target, torch.optim.Optimizer):
-        return _recorded_optimizer_tensors(target)
     if type(target) in (list, tuple, dict) and target:  # e.g. [model, optimizer]: each part recorded
         return _recorded_parts(target, include_grads)
+    return _recorded_part(target, include_grads)
+
+
+def _recorded_part(obj: Any, include_grads: bool) -> Optional[Named]:
+    """named_tensors() of a plain module or a torch optimizer from its recorded traversal, else None."""
+    if isinstance(obj, torch.nn.Module):
+        return _recorded_module_tensors(obj, include_grads)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _recorded_optimizer_tensors(obj)
     return None
 
 
@@ -295,12 +304,7 @@ def _recorded_parts(target: Any, include_grads: bool) -> Optional[Named]:
         prefixes, items = list(map(str, range(len(target)))), list(target)
     parts: list[Named] = []
     for item in items:
-        if isinstance(item, torch.nn.Module):
-            part = _recorded_module_tensors(item, include_grads)
-        elif isinstance(item, torch.optim.Optimizer):
-            part = _recorded_optimizer_tensors(item)
-        else:
-            return None
+        part = _recorded_part(item, include_grads)
         if part is None:
             return None
         parts.append(part)
