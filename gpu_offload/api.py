@@ -10,7 +10,7 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any, Container, Iterator, Optional, Sequence
+from typing import Any, Callable, Container, Iterator, Optional, Sequence
 
 import torch
 
@@ -39,17 +39,17 @@ def _log_rate(op: str, nbytes: int, start: float, num_tensors: int, num_storages
 
 
 def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = True,
-                  hold: bool = False) -> _plan.Resolved:
+                  hold: bool = False, bump_if: Optional[Callable[[_plan.TargetPlan], bool]] = None) -> _plan.Resolved:
     """The target's plan; refuses targets with offloaded storages or with memory released by someone else.
     Call with the registry lock held.
 
     writes: the call will write into the target's storages (FSDP units left unsharded are resharded
     first, so that a stale unsharded copy cannot shadow what is written). hold: the call resizes the live
     storages (offload) or keeps them alive past its return (an overlapped snapshot): a cached plan's check
-    holds them for it.
+    holds them for it. bump_if: resolve()'s (a cached plan it accepts has its versions bumped by its check).
     """
     resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
-                             shard_info=lambda: shard_info(target), hold=hold)
+                             shard_info=lambda: shard_info(target), hold=hold, bump_if=bump_if)
     _refuse_offloaded(resolved, op)
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
@@ -59,21 +59,27 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
 
 
 def _refuse_offloaded(resolved: _plan.Resolved, op: str) -> None:
-    plan = resolved.plan
+    problem = _offloaded_problem(resolved.plan)
+    if problem is not None:
+        raise OffloadError(f"cannot {op}: {problem}")
+
+
+def _offloaded_problem(plan: _plan.TargetPlan) -> Optional[str]:
+    """What of a plan's target is offloaded or released (the registry lock held), or None."""
     offloaded = plan.offloaded
     if offloaded is not None and 1 in offloaded.alive and _registry.registered(offloaded):  # through this plan
-        name = offloaded.names[offloaded.alive.index(1)]
-        raise OffloadError(f"cannot {op}: {name} is offloaded; call gpu_offload.reload() first")
+        return f"{offloaded.names[offloaded.alive.index(1)]} is offloaded; call gpu_offload.reload() first"
     # Nothing to look up in the common case of nothing offloaded; a plan found clear stays clear until
     # the next offload (only an offload makes a storage offloaded).
     if _registry.entries and plan.clear_of != _registry.generation:
         name = _registry.offloaded_name(plan.keys)
         if name is not None:
-            raise OffloadError(f"cannot {op}: {name} is offloaded; call gpu_offload.reload() first")
+            return f"{name} is offloaded; call gpu_offload.reload() first"
         plan.clear_of = _registry.generation
     if plan.released:  # emptied by an offload that is no longer registered, yet not reloaded
         name = plan.layout.storage_columns[0][plan.live[0]] if plan.live else "the target"
-        raise OffloadError(f"cannot {op}: {name}: its memory was released and not brought back; reload it first")
+        return f"{name}: its memory was released and not brought back; reload it first"
+    return None
 
 
 def _empty_cache(devices: list[torch.device]) -> None:
@@ -211,12 +217,21 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
             raise OffloadError("restore(verify=True) needs a snapshot with checksums: take it with "
                                "snapshot(..., checksum=True)")
     with _registry.lock:  # an offload in another thread cannot release the storages under the copy
-        resolved = _resolve_live(target, snap.include_grads, "restore")
+        # Autograd sees the in-place change, as with torch's own copy_: a backward through activations saved
+        # before the restore raises instead of computing wrong gradients. Every version is bumped before the
+        # copy, so that an interrupt landing right after it cannot leave written tensors unbumped (a failure in
+        # between leaves them bumped and unchanged: a backward then refuses, it never computes wrong
+        # gradients). A cached plan of the snapshot's own layout with nothing offloaded, where nothing is
+        # verified (what can fail before the copy), is bumped by its check, in the same pass.
+        resolved = _resolve_live(target, snap.include_grads, "restore", bump_if=None if verify else (
+            lambda plan: plan.layout is snap.layout and _offloaded_problem(plan) is None))
         layout = resolved.layout
         mapping = match(snap.layout, layout)
         plans = resolved.plan.copies(None if mapping is None else list(map(snap.layout.storage_columns[3].__getitem__, mapping)))
         if verify:
             snap.verify()
+        if not resolved.bumped:
+            _plan.increment_version(resolved.tensors)
         # Ordered after the snapshot's own copy (on the GPU); the region has a user of its own for the copy,
         # so a free() from another thread cannot return it to the arena under the copy.
         region = snap._use()
@@ -231,9 +246,6 @@ def restore(target: Any, snap: Snapshot, *, verify: bool = False) -> None:
         finally:
             snap._add_events(events)
             region.release(events)
-        # Autograd sees the in-place change, as with torch's own copy_: a backward through activations
-        # saved before the restore raises instead of computing wrong gradients.
-        _plan.increment_version(resolved.tensors)
     if expected is not None:  # integrity: and the restored device data after
         _integrity.verify_storages(layout, resolved.plan.storage_ptrs,
                                    expected if mapping is None else [expected[i] for i in mapping],

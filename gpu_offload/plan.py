@@ -342,22 +342,28 @@ class TargetPlan:
                 return self.layout.storage_columns[0][i]
         return None
 
-    def valid(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+    def valid(self, names: list[str], tensors: list[torch.Tensor], bump: bool = False) -> bool:
         """Whether the target read now is still this plan's: the same names, the same tensor objects, each
         on the same storage viewing it the same way, each storage at the same address with the same size
-        (memory freed and re-allocated at the same address with another size is not the same)."""
+        (memory freed and re-allocated at the same address with another size is not the same).
+
+        bump: where it is, every tensor's version is then bumped (increment_version), in the check's own
+        pass where the helper recorded the plan."""
         if not self._same_names(names):
             return False
         if self.record is not None:
-            return bool(self.record.check(tensors))
+            return bool(self.record.check(tensors, bump))
         plain = _plain(tensors)  # (the cache key, found by lookup(), was these tensors' ids)
         if self.ptrs != data_ptrs(plain):
             return False
         if not self.same_views(plain):
             return False
         storages = _first_storages(self, plain)
-        return ([s._cdata for s in storages] == self.keys
-                and list(map(torch.UntypedStorage.nbytes, storages)) == self.storage_nbytes)
+        ok = ([s._cdata for s in storages] == self.keys
+              and list(map(torch.UntypedStorage.nbytes, storages)) == self.storage_nbytes)
+        if ok and bump:
+            increment_version(plain)
+        return ok
 
     def valid_held(self, names: list[str], tensors: list[torch.Tensor]) -> Any:
         """valid() of a recorded plan, answered with the live storages it checked held (a HeldStorages, for
@@ -513,7 +519,7 @@ class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
     def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
-                 hit: bool, held: Any = None) -> None:
+                 hit: bool, held: Any = None, bumped: bool = False) -> None:
         self.plan = plan
         self.tensors = tensors
         self._storages = storages
@@ -521,6 +527,8 @@ class Resolved:
         # The live storages as the check found them, held for this call's resize and watch (resolve(hold=True)
         # of a recorded target), or None.
         self.held = held
+        # Whether the check bumped every tensor's version (resolve(bump_if=...) of a plan it accepted).
+        self.bumped = bumped
 
     @property
     def layout(self) -> Layout:
@@ -667,21 +675,25 @@ _stats = {"hits": 0, "misses": 0}
 
 
 def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None,
-            shard_info: Optional[Callable[[], Optional[str]]] = None, hold: bool = False) -> Resolved:
+            shard_info: Optional[Callable[[], Optional[str]]] = None, hold: bool = False,
+            bump_if: Optional[Callable[[TargetPlan], bool]] = None) -> Resolved:
     """The target's plan, from the cache when its tensors are unchanged, else freshly bound.
 
     nbytes_of (used by reload) forces a fresh bind with storage sizes overridden by key. shard_info, called
     on a fresh bind only, gives the strategy's shard layout to record in the layout. Plans whose tensors
     reach past their storages are not cached (the caller reports them). hold: a cache hit of a recorded
-    target holds its live storages for the call's resize (Resolved.held).
+    target holds its live storages for the call's resize (Resolved.held). bump_if: asked of a cached plan
+    before its check; True: the check also bumps every tensor's version once all passed (Resolved.bumped;
+    not with hold), for a caller that writes them all unless it fails before (so it asks only where it
+    cannot fail then).
     """
     names, tensors = _split(named)
     if nbytes_of is None:
-        plan, held = _lookup(names, tensors, hold)
+        plan, held, bumped = _lookup(names, tensors, hold, bump_if=bump_if)
         # A plan an offload released is used only to say so (it is registered through it); otherwise the
         # storages were emptied some other way (discard) and a fresh bind says what is wrong.
         if plan is not None and (not plan.released or plan.offloaded is not None):
-            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)
+            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held, bumped)
     start = time.perf_counter()
     bound = bind_lists(names, tensors, nbytes_of)
     _stats["misses"] += 1
@@ -701,9 +713,11 @@ def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan
 
 
 def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool,
-            accept: Optional[Callable[[TargetPlan], bool]] = None) -> tuple[Optional[TargetPlan], Any]:
-    """lookup(), and with `hold` the live storages its check held (None where it holds none); a plan that
-    `accept` refuses is not checked (None)."""
+            accept: Optional[Callable[[TargetPlan], bool]] = None,
+            bump_if: Optional[Callable[[TargetPlan], bool]] = None) -> tuple[Optional[TargetPlan], Any, bool]:
+    """lookup(), with the live storages its check held where `hold` (else None) and whether it bumped the
+    tensors' versions (a plan `bump_if` accepts, resolve()'s); a plan that `accept` refuses is not checked
+    (None)."""
     candidates = []
     if _ext is not None and tensors:
         candidates.append(("record", len(tensors), id(tensors[0]), id(tensors[-1])))
@@ -717,27 +731,28 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool,
         try:
             key = tuple(map(id, tensors))
         except TypeError:
-            return None, None
+            return None, None, False
         with _cache_lock:
             plan = _cache.get(key)
     if plan is None or (accept is not None and not accept(plan)):
-        return None, None
+        return None, None, False
     held = None
+    bump = not hold and bump_if is not None and bump_if(plan)
     try:
         if hold and plan.record is not None:
             held = plan.valid_held(names, tensors)
             ok = held is not None
         else:
-            ok = plan.valid(names, tensors)
+            ok = plan.valid(names, tensors, bump)
     except Exception:  # not all tensors: bind() says what is wrong
-        return None, None
+        return None, None, False
     if not ok:
-        return None, None
+        return None, None, False
     with _cache_lock:
         if _cache.get(plan.key) is plan:
             _cache.move_to_end(plan.key)
     _stats["hits"] += 1
-    return plan, held
+    return plan, held, bump
 
 
 def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False,
@@ -745,7 +760,7 @@ def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False,
     """The target's cached plan if it is still valid, else None; never binds. hold: as resolve()'s.
     accept: asked of the plan found before its check (which reads every tensor); False answers None."""
     names, tensors = _split(named)
-    plan, held = _lookup(names, tensors, hold, accept)
+    plan, held, _ = _lookup(names, tensors, hold, accept)
     if plan is None:
         return None
     return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)

@@ -721,6 +721,109 @@ def test_a_record_follows_its_storages_through_resize_live():
     assert watch.dead() == [0] and watch.num_watched == 1
 
 
+# -- restore bumps every version once, before its copy ----------------------------------------------------------
+def _versions(target) -> list[int]:
+    return [t._version for _, t in named_tensors(target)]
+
+
+@pytest.mark.parametrize("how", ["cached", "twin", "verify"])
+def test_a_restore_bumps_every_version_once_before_its_copy(arena, checks, monkeypatch, how):
+    # A cached plan of the snapshot's own layout is bumped by its check, in its pass; a twin (another plan,
+    # matched by names) and a verified restore are bumped in a pass of their own. Each version moves by one,
+    # and is already moved when the copy starts.
+    model = _model()
+    snap = go.snapshot(model, arena=arena, checksum=how == "verify").wait()
+    target = _model() if how == "twin" else model
+    go.restore(target, snap, verify=how == "verify")  # (a first call: the twin's plan is made)
+    before = _versions(target)
+    seen: list[list[int]] = []
+    run = plan.CopyPlans.run
+
+    def copy_after_looking(self, *args, **kwargs):
+        seen.append(_versions(target))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(plan.CopyPlans, "run", copy_after_looking)
+    hits = _hits()
+    go.restore(target, snap, verify=how == "verify")
+    assert _hits() == hits + 1
+    assert seen == [[v + 1 for v in before]] and _versions(target) == [v + 1 for v in before]
+    snap.free()
+
+
+def test_an_interrupt_right_after_a_restores_copy_leaves_its_tensors_bumped(arena, checks, monkeypatch):
+    model = _model()
+    snap = go.snapshot(model, arena=arena).wait()
+    expected = {n: t.detach().clone() for n, t in named_tensors(model)}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    before = _versions(model)
+    run = plan.CopyPlans.run
+
+    def interrupted(self, *args, **kwargs):  # the signal lands as run() returns: its result is lost
+        run(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan.CopyPlans, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        go.restore(model, snap)
+    monkeypatch.undo()
+    for name, t in named_tensors(model):  # written, and autograd told so
+        assert_bitwise_equal(t.detach(), expected[name])
+    assert _versions(model) == [v + 1 for v in before]
+    snap.free()
+
+
+def _refused_as_offloaded(model, snap, arena):
+    go.offload(model, arena=arena)
+    try:
+        with pytest.raises(go.OffloadError, match="is offloaded"):
+            go.restore(model, snap)
+    finally:
+        go.reload(model)
+
+
+def _refused_as_another_layout(model, snap, arena):
+    model[1].inner.weight = torch.nn.Parameter(torch.randn(4, 3))  # (a changed target: another plan)
+    with pytest.raises(go.LayoutMismatchError):
+        go.restore(model, snap)
+
+
+def _refused_as_corrupt(model, snap, arena):
+    snap.tensors()["0.inner.bias"].view(torch.uint8)[0] ^= 1  # (a bit flipped in the host copy)
+    with pytest.raises(go.OffloadError, match="corrupt"):
+        go.restore(model, snap, verify=True)
+
+
+@pytest.mark.parametrize("refusal", [_refused_as_offloaded, _refused_as_another_layout, _refused_as_corrupt])
+def test_a_restore_refused_before_its_copy_bumps_no_version(arena, checks, refusal):
+    model = _model()
+    snap = go.snapshot(model, arena=arena, checksum=True).wait()
+    go.restore(model, snap)  # (the plan is cached: the next restore's check would bump)
+    tensors = [t for _, t in named_tensors(model)]  # (a replaced one is still looked at: it moved no version either)
+    before = [t._version for t in tensors]
+    refusal(model, snap, arena)
+    assert [t._version for t in tensors] == before
+    snap.free()
+
+
+@needs_ext
+def test_a_records_check_bumps_only_once_every_tensor_passed(checks):
+    if checks != "helper":
+        pytest.skip("the helper's records only")
+    ts = [torch.randn(3) for _ in range(9)]
+    record = torch_ext.ext.record(ts)
+    before = [t._version for t in ts]
+    assert record.check(ts) and [t._version for t in ts] == before  # (no bump asked)
+    ts[6].data = torch.randn(3)  # another storage (no version moves)
+    assert not record.check(ts, True) and [t._version for t in ts] == before
+    with torch.inference_mode():
+        ts.append(torch.randn(2))  # an inference tensor has no version counter: skipped
+    fresh = torch_ext.ext.record(ts)
+    assert fresh.check(ts, True) and [t._version for t in ts[:-1]] == [v + 1 for v in before]
+
+
 # -- the cost of a changed target is in the debug log ----------------------------------------------------------
 def test_a_call_that_finds_a_changed_target_logs_its_cost(arena, caplog):
     target = {"a": torch.randn(4), "b": torch.randn(3)}

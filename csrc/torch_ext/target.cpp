@@ -225,6 +225,7 @@ TargetRecord::TargetRecord(py::handle list) {
     t.impl = impl;
     t.storage = index;
     t.first = fresh;
+    t.inference = impl->is_inference();
     t.offset = impl->storage_offset();
     t.dtype = impl->dtype();
     t.dim = static_cast<int32_t>(impl->dim());
@@ -310,7 +311,24 @@ py::tuple TargetRecord::tensor_columns() const {
   return py::make_tuple(storage, offsets, shapes, strides, dtypes);
 }
 
-bool TargetRecord::check(py::handle list) const { return check_impl<false>(list, nullptr); }
+bool TargetRecord::check(py::handle list, bool bump) const {
+  if (!check_impl<false>(list, nullptr)) return false;
+  if (bump) {
+    // Every TensorImpl is the one recorded, alive (its object in `list` holds it) and, the GIL held since the
+    // check, still that object's. The addresses are known in advance: each is asked for ahead, and the bump
+    // reads the line of its version counter and the counter itself, nothing of the tensor's object.
+    const size_t n = tensors_.size(), ahead = static_cast<size_t>(2 * kAhead);
+    for (size_t i = 0; i < n; ++i) {
+      if (i + ahead < n) {
+        const c10::TensorImpl* next = tensors_[i + ahead].impl;
+        __builtin_prefetch(&next->version_counter());  // (the member's address: nothing is read)
+      }
+      const TensorFacts& t = tensors_[i];
+      if (!t.inference) t.impl->bump_version();
+    }
+  }
+  return true;
+}
 
 py::object TargetRecord::check_held(py::handle list) const {
   auto held = std::make_unique<HeldStorages>();

@@ -95,7 +95,10 @@ class TargetRecord {
   py::tuple tensor_columns() const;
   // Whether `list` holds the same tensor objects, each on the same storage, viewing it the same way, and
   // each storage still has the same memory, size and device.
-  bool check(py::handle list) const;
+  // With `bump`, once every tensor passed, each one's version counter is bumped too, as an in-place write
+  // does (torch.autograd.graph.increment_version): through the TensorImpls just found to be the list's, in
+  // the same call (nothing else runs in between), without reading each tensor's object again.
+  bool check(py::handle list, bool bump = false) const;
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;
@@ -148,6 +151,7 @@ class TargetRecord {
     c10::TensorImpl* impl;
     int32_t storage;
     bool first;  // the first tensor on its storage: the storage's facts are checked with it
+    bool inference;  // an inference tensor (it has no version counter; fixed for a TensorImpl's life)
     int32_t dim;
     int32_t dims_at;  // sizes then strides in dims_
     int64_t offset;
