@@ -8,6 +8,7 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
   dict / module (a tree of nn.Linear(2, 2, bias=False), 256 per block, the shape of an MoE's experts):
     cached snapshot+wait+free, restore, offload+reload, and the first (uncached) snapshot;
   model+adamw: [module, its AdamW after one step] (a quarter of the tensors the parameters), the same rows;
+  fsdp2: the same tree with fully_shard on each block and on the root (one rank, gloo): DTensor parameters;
   llm339: the 339 tensors of the qwen1.5b layout, each shrunk to 16 bytes (its rank kept), as a dict;
   and, where the torch-aware helper is loaded, "allocator": the storages released and allocated again
   by one C++ call, torch's allocator alone (a share of offload+reload no engine avoids); on CUDA also
@@ -79,7 +80,7 @@ def _stat(samples: list[float], ys: list[float] | None = None) -> dict[str, floa
     return out
 
 
-KINDS = ["dict", "module", "model+adamw", "llm"]
+KINDS = ["dict", "module", "model+adamw", "fsdp2", "llm"]
 
 
 def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
@@ -90,6 +91,47 @@ def make_module(num_tensors: int, per_block: int = 256) -> torch.nn.Module:
         blocks.append(torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=False) for _ in range(n)))
         left -= n
     return torch.nn.ModuleList(blocks)
+
+
+def make_fsdp2_module(num_tensors: int, device: str) -> torch.nn.Module:
+    """make_module's tree with fully_shard on each block of 256 and on the root, in a world of one rank (a
+    gloo or NCCL group made here): its parameters are DTensors, FSDP2's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=0, world_size=1,
+                               init_method=f"tcp://127.0.0.1:{port}")
+    mesh = init_device_mesh(torch.device(device).type, (1,))
+    m = _Sharded(make_module(num_tensors)).to(device)
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+class _Sharded(torch.nn.Module):
+    """make_module's blocks, each a module with a forward (fully_shard refuses a bare ModuleList)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, experts: torch.nn.ModuleList) -> None:
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    def __init__(self, blocks: torch.nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(self.Block(b) for b in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats: int, arena: go.Arena) -> dict[str, Any]:
@@ -112,7 +154,7 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
         # The recorded traversals too (a module's, an optimizer's, a list's joined names; absent in older versions).
-        for name in ("_trees", "_optimizer_trees", "_joined_names"):
+        for name in ("_trees", "_optimizer_trees", "_joined_names", "_fsdp2_trees"):
             recorded = getattr(adapters, name, None)
             if recorded is not None:
                 recorded.clear()
@@ -259,6 +301,11 @@ def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
         results["model+adamw"] = measure_target("model+adamw", target, adapters.named_tensors(target).tensors,
                                                 args.repeats, arena)
         del m, opt, target
+    if "fsdp2" in only:
+        m = make_fsdp2_module(args.tensors, args.device)
+        # (Y over the DTensors' local tensors, which hold the data.)
+        results["fsdp2"] = measure_target("fsdp2", m, [p._local_tensor for p in m.parameters()], args.repeats, arena)
+        del m
     if "llm" in only:
         layout = bench.load_layout("qwen1.5b", dtype="float32")
         t = {f"t{i}": torch.empty([1] * (len(shape) - 1) + [4], device=args.device) for i, shape in enumerate(layout.shapes)}
@@ -268,7 +315,7 @@ def _measure(args: argparse.Namespace, only: set[str]) -> dict[str, Any]:
 
 
 def _print(results: dict[str, Any]) -> None:
-    for key in ("dict", "module", "model+adamw", "llm339"):
+    for key in ("dict", "module", "model+adamw", "fsdp2", "llm339"):
         r = results.get(key)
         if r is None:
             continue

@@ -239,7 +239,9 @@ class TargetPlan:
         # cache key needs only the count and the two ends. The C++ bind made one as it read the target.
         self.record: Any = None
         self._storage_ptrs: Optional[list[int]] = None
-        if bound.record is not None and tensors and plain is tensors:
+        plain = plain if plain is not None else _plain(tensors)
+        # (A record is of the plain tensors: a DTensor's local shard, whose own storage holds its data.)
+        if bound.record is not None and plain and bound.record.num_tensors == len(plain):
             self.record = bound.record
             self.storage_nbytes = layout_nbytes  # (what it read)
         else:
@@ -247,20 +249,20 @@ class TargetPlan:
                 self._keys = bound.keys
             self.storage_nbytes = [s.nbytes() for s in bound.storages]
             self._storage_ptrs = data_ptrs(bound.storages)
-            if _ext is not None and tensors and plain is tensors:
-                record = _ext.record(tensors)
+            if _ext is not None and plain:
+                record = _ext.record(plain)
                 # (It reads what bind() read, or the plan is not one to record.)
                 if (record is not None and record.keys() == self.keys
                         and record.storage_nbytes() == self.storage_nbytes == layout_nbytes):
                     self.record = record
         self.ptrs: Optional[list[int]] = None
         if self.record is not None:
-            self.key: tuple[Any, ...] = ("record", len(tensors), id(tensors[0]), id(tensors[-1]))
+            self.key: tuple[Any, ...] = ("record", len(plain), id(plain[0]), id(plain[-1]))
         else:
             # The cache key is the tensors' ids; when any of them dies its id may be reused, so the plan
             # leaves the cache then (the weakref callback) and a hit needs no identity check per tensor.
-            self.key = tuple(map(id, tensors))
-            self.ptrs = data_ptrs(plain if plain is not None else _plain(tensors))
+            self.key = tuple(map(id, plain))
+            self.ptrs = data_ptrs(plain)
         key, me = self.key, weakref.ref(self)
         fired: list[bool] = []
 
@@ -274,7 +276,7 @@ class TargetPlan:
         # drop the plan of a dead target promptly (a plan whose other tensors died is merely never valid),
         # and the tensors carry none (torch.utils.swap_tensors refuses tensors that have one).
         self.refs = ([weakref.ref(bound.storage(0), forget)] if self.record is not None
-                     else [weakref.ref(t, forget) for t in tensors])
+                     else [weakref.ref(t, forget) for t in plain])
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         if bound.first_tensor is not None:
@@ -299,9 +301,11 @@ class TargetPlan:
         self._sizes = layout_nbytes
         # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
         # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
-        plain_types = self.record is not None or set(map(type, tensors)) <= PLAIN_TENSOR_TYPES  # (a record's are)
-        self.dtensor_specs: dict[str, Any] = {} if plain_types else {
+        self.dtensor_specs: dict[str, Any] = {} if plain is tensors else {
             n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
+        # The wrappers' own identities (the checks are of their local tensors): a plan of DTensors is valid only
+        # for those very DTensors (their specs are the plan's), and a plan of plain tensors only for them.
+        self.wrapper_ids: Any = None if plain is tensors else _ids(tensors)
         self._copies: Optional[CopyPlans] = None
         self._rebase_from: Optional[CopyPlans] = None
         self._remapped: dict[tuple[int, ...], CopyPlans] = {}
@@ -569,11 +573,29 @@ def data_ptrs(items: Sequence[Any]) -> list[int]:
 
 
 def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards. (A
-    DTensor's own data_ptr() is 0 and its untyped_storage() describes no real memory.)"""
+    """The tensors holding the data: wrapper subclasses (DTensor) replaced by their local shards (one C++
+    pass where the helper is loaded); the list itself where all are plain. (A DTensor's own data_ptr() is 0
+    and its untyped_storage() describes no real memory.)"""
+    if _ext is not None and type(tensors) is list:
+        found = _ext.local_tensors(tensors)
+        if found is not None:
+            return found
     if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES:
         return tensors
     return [t if type(t) in PLAIN_TENSOR_TYPES else unwrap(t) for t in tensors]
+
+
+def _ids(tensors: list[torch.Tensor]) -> Any:
+    """The objects' identities, comparable with ==: in one C++ pass where the helper is loaded."""
+    return _ext.object_ids(tensors) if _ext is not None and type(tensors) is list else tuple(map(id, tensors))
+
+
+def _same_wrappers(plan: "TargetPlan", tensors: list[torch.Tensor], plain: list[torch.Tensor]) -> bool:
+    """Whether the tensors wrap their local ones as the plan's did: none of them (plain ones), or the very
+    wrapper objects it was made of."""
+    if plan.wrapper_ids is None:
+        return plain is tensors
+    return plain is not tensors and _ids(tensors) == plan.wrapper_ids
 
 
 _shape_of = operator.attrgetter("shape")  # the attribute is cheaper than the size() call
@@ -688,22 +710,23 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
     cannot fail then).
     """
     names, tensors = _split(named)
+    plain = _plain(tensors)
     if nbytes_of is None:
-        plan, held, bumped = _lookup(names, tensors, hold, bump_if=bump_if)
+        plan, held, bumped = _lookup(names, tensors, hold, bump_if=bump_if, plain=plain)
         # A plan an offload released is used only to say so (it is registered through it); otherwise the
         # storages were emptied some other way (discard) and a fresh bind says what is wrong.
         if plan is not None and (not plan.released or plan.offloaded is not None):
-            return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held, bumped)
+            return Resolved(plan, plain, None, True, held, bumped)
     start = time.perf_counter()
-    bound = bind_lists(names, tensors, nbytes_of)
+    # (Bound as their local tensors: the layout is the same, and the helper's bind records plain tensors only.)
+    bound = bind_lists(names, plain, nbytes_of)
     _stats["misses"] += 1
-    plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None)
+    plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None, plain=plain)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
-    # (A record is only of plain tensors.)
-    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), bound.storages_read, False)
+    return Resolved(plan, plain, bound.storages_read, False)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
@@ -714,10 +737,13 @@ def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan
 
 def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool,
             accept: Optional[Callable[[TargetPlan], bool]] = None,
-            bump_if: Optional[Callable[[TargetPlan], bool]] = None) -> tuple[Optional[TargetPlan], Any, bool]:
+            bump_if: Optional[Callable[[TargetPlan], bool]] = None,
+            plain: Optional[list[torch.Tensor]] = None) -> tuple[Optional[TargetPlan], Any, bool]:
     """lookup(), with the live storages its check held where `hold` (else None) and whether it bumped the
     tensors' versions (a plan `bump_if` accepts, resolve()'s); a plan that `accept` refuses is not checked
-    (None)."""
+    (None). plain: _plain(tensors), where the caller has it (plans are of the local tensors)."""
+    wrapped = tensors
+    tensors = plain if plain is not None else _plain(tensors)
     candidates = []
     if _ext is not None and tensors:
         candidates.append(("record", len(tensors), id(tensors[0]), id(tensors[-1])))
@@ -734,7 +760,7 @@ def _lookup(names: list[str], tensors: list[torch.Tensor], hold: bool,
             return None, None, False
         with _cache_lock:
             plan = _cache.get(key)
-    if plan is None or (accept is not None and not accept(plan)):
+    if plan is None or (accept is not None and not accept(plan)) or not _same_wrappers(plan, wrapped, tensors):
         return None, None, False
     held = None
     bump = not hold and bump_if is not None and bump_if(plan)
@@ -760,10 +786,11 @@ def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False,
     """The target's cached plan if it is still valid, else None; never binds. hold: as resolve()'s.
     accept: asked of the plan found before its check (which reads every tensor); False answers None."""
     names, tensors = _split(named)
-    plan, held, _ = _lookup(names, tensors, hold, accept)
+    plain = _plain(tensors)
+    plan, held, _ = _lookup(names, tensors, hold, accept, plain=plain)
     if plan is None:
         return None
-    return Resolved(plan, tensors if plan.record is not None else _plain(tensors), None, True, held)
+    return Resolved(plan, plain, None, True, held)
 
 
 def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = None) -> bool:
@@ -833,13 +860,13 @@ def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
 
 
 def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
-              shard_info: Optional[Callable[[], Optional[str]]], cache: bool) -> TargetPlan:
+              shard_info: Optional[Callable[[], Optional[str]]], cache: bool,
+              plain: Optional[list[torch.Tensor]] = None) -> TargetPlan:
     if shard_info is not None:
         info = shard_info()
         if info is not None:
             bound.layout = bound.layout.with_shard_info(info)
-    plain = tensors if bound.record is not None else _plain(tensors)  # (a record is only of plain tensors)
-    plan = TargetPlan(names, tensors, bound, plain)
+    plan = TargetPlan(names, tensors, bound, plain if plain is not None else _plain(tensors))
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering. (A
     # record read the sizes it holds; the Python bind may have had them overridden.)
     layout_nbytes = bound.layout.storage_columns[1]

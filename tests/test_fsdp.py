@@ -334,3 +334,106 @@ def _check_forward_guard(rank: int, world_size: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_calling_an_offloaded_fsdp_model_says_to_reload(kind: str) -> None:
     run_ranks(_check_forward_guard, 1, kind)
+
+
+# -- FSDP2: the traversal recorded, read again in one C++ pass while nothing it depends on changed ------------
+def _walked(model: nn.Module, include_grads: bool) -> list[tuple[str, int]]:
+    return [(n, id(t)) for n, t in fsdp_adapter.fsdp2_named_tensors(model, include_grads=include_grads)]
+
+
+def _read(model: nn.Module, include_grads: bool) -> list[tuple[str, int]]:
+    from gpu_offload.adapters import named_tensors
+
+    return [(n, id(t)) for n, t in named_tensors(model, include_grads=include_grads)]
+
+
+def _check_fsdp2_record(rank: int, world_size: int) -> None:
+    import gc
+    import weakref
+
+    from gpu_offload import adapters, torch_ext
+
+    recorded = torch_ext.ext is not None and torch_ext.ext.MODULE_TREE
+    a, oa = _make("fsdp2", world_size)
+    for stage in ("wrapped", "stepped", "no_grad forward", "backward", "buffer replaced", "no sync"):
+        if stage == "stepped":
+            _step(a, oa, 0, rank)  # FSDP2 swapped every parameter out and back: the record still holds
+        elif stage == "no_grad forward":
+            _probe(a)  # the root group is left unsharded: read (as the walk does) after resharding it
+            assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
+        elif stage == "backward":
+            ids = batch(3, rank)
+            lm_loss(a(ids), ids).backward()
+        elif stage == "buffer replaced":
+            a.model.rotary_emb.register_buffer("inv_freq", a.model.rotary_emb.inv_freq.clone(), persistent=False)
+        elif stage == "no sync":  # unsharded gradients on the side: the walk names them, the record defers to it
+            _accumulate_without_sync(a, "fsdp2", rank)
+        for include_grads in (False, True):
+            got = _read(a, include_grads)
+            assert got == _walked(a, include_grads), (stage, include_grads)
+        if stage == "no sync":
+            assert any(n.endswith(".grad_unsharded") for n, _ in _read(a, True))
+        elif recorded:
+            # Served from the record: the same names list again, and no Python walk.
+            from gpu_offload.adapters import named_tensors
+
+            first = named_tensors(a)
+            walk, fsdp_adapter._fsdp2_named = fsdp_adapter._fsdp2_named, None  # (a call would raise)
+            try:
+                assert named_tensors(a).names is first.names and a in adapters._fsdp2_trees, stage
+                assert named_tensors(a, include_grads=True).names[:len(first.names)] == first.names
+            finally:
+                fsdp_adapter._fsdp2_named = walk
+    a.set_requires_gradient_sync(True)
+    # The record keeps nothing of the model alive.
+    ref = weakref.ref(a)
+    del a, oa
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_fsdp2_models_recorded_traversal_reads_what_the_walk_reads() -> None:
+    run_ranks(_check_fsdp2_record, 1)
+
+
+# -- DTensor targets: their plans are of the local tensors, and valid only for the very same DTensors --------
+def _check_dtensor_plans(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from gpu_offload import plan, torch_ext
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.arange(8, dtype=torch.float32)
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    local = sharded._local_tensor  # (a view of the one given)
+    replicated = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    replicated._local_tensor = local  # one local tensor, two wrappers
+    first = {"w": sharded}
+    with go.snapshot(first) as snap:
+        assert snap.state_dict()["w"].placements == (Shard(0),)
+    hits = plan.cache_info()["hits"]
+    with go.snapshot(first) as snap:  # a hit, checked in C++ over the local tensors where the helper is loaded
+        assert snap.state_dict()["w"].placements == (Shard(0),)
+    assert plan.cache_info()["hits"] == hits + 1
+    if torch_ext.ext is not None:
+        assert plan.lookup(["w"], [sharded]).record is not None
+    # Another wrapper of the same local tensor, then the local tensor itself: neither is served the first plan.
+    with go.snapshot({"w": replicated}) as snap:
+        assert snap.state_dict()["w"].placements == (Replicate(),)
+    with go.snapshot({"w": replicated._local_tensor}) as snap:
+        assert type(snap.state_dict()["w"]) is torch.Tensor
+    # Through the plan: restore, offload and reload of the DTensor target move its local tensor's bytes.
+    with go.snapshot(first) as snap:
+        with torch.no_grad():
+            local.fill_(-1)
+        go.restore(first, snap)
+        assert torch.equal(sharded._local_tensor, torch.arange(8, dtype=torch.float32))
+    go.offload(first)
+    assert sharded._local_tensor.untyped_storage().nbytes() == 0
+    go.reload(first)
+    assert torch.equal(sharded._local_tensor, torch.arange(8, dtype=torch.float32))
+
+
+def test_dtensor_plans_are_of_their_local_tensors_and_of_those_very_dtensors() -> None:
+    run_ranks(_check_dtensor_plans, 1)

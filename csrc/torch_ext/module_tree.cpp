@@ -7,9 +7,11 @@
 // one that is renewed when the class or a base changes. So a module is unchanged when its class is the same
 // with the same tag, its __dict__ is the same dict with the same tag (or, after an unrelated attribute
 // changed, e.g. `training`, still binds the same three dicts and sets none of the traversal's methods on the
-// instance), and those three dicts carry their recorded tags. Nothing a module can do to its parameters (setattr, register_*, del, writing into _parameters
-// directly, replacing the dict, swapping __class__) escapes that, and torch's registration hooks, which
-// miss `del` and direct dict writes, are not needed.
+// instance), and those three dicts carry their recorded tags, or (_parameters and _buffers) still hold their
+// recorded items, the same key objects bound to the same values in order (FSDP2 swaps each parameter out and
+// back every step). Nothing a module can do to its parameters (setattr, register_*, del, writing into
+// _parameters directly, replacing the dict, swapping __class__) escapes that, and torch's registration hooks,
+// which miss `del` and direct dict writes, are not needed.
 //
 // Only where the tags mean this: CPython 3.11 and 3.12 with the GIL (3.13 keeps inline values beside a
 // materialized __dict__ and 3.14 retires the tag); elsewhere build_module_tree() says "unsupported" and the
@@ -45,6 +47,17 @@ struct ModuleFacts {
   uint64_t dict_version;
   PyObject* parts[3];  // _parameters, _buffers, _modules
   uint64_t part_versions[3];
+  // _parameters' and _buffers' items as recorded: [entries_at[p], entries_at[p] + num_entries[p]) of the
+  // tree's entries.
+  int32_t entries_at[2];
+  int32_t num_entries[2];
+};
+
+// One item of a module's _parameters or _buffers as recorded: its key (a reference held by the tree, so that
+// an equal address is that very str) and its value (compared only: None or a tensor).
+struct Entry {
+  PyObject* key;
+  PyObject* value;
 };
 
 const char* const kPartNames[3] = {"_parameters", "_buffers", "_modules"};
@@ -85,6 +98,8 @@ bool shadows_methods(PyObject* dict) {
 class ModuleTree {
  public:
   std::vector<ModuleFacts> modules;
+  std::vector<Entry> entries;
+  std::vector<py::object> keys;  // the entries' keys, held
   // The traversal's tensors as recorded (parameters, then buffers): borrowed, and read only once every
   // module's dicts were found unchanged (then those dicts hold exactly these objects).
   std::vector<PyObject*> tensors;
@@ -138,7 +153,7 @@ class Builder {
     }
     PyObject* dict = *dict_ptr;
     py::object hold_dict = py::reinterpret_borrow<py::object>(dict);  // (for the version check below)
-    ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}};
+    ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}, {}, {}};
     // The three parts first: their tables are asked for while the methods are looked up.
     for (int p = 0; p < 3; ++p) {
       PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
@@ -154,6 +169,16 @@ class Builder {
     // (Nothing in a str-keyed __dict__'s lookups runs Python code; should something have changed it, the
     // parts found before are not trusted.)
     if (version_of(dict) != facts.dict_version) return false;
+    for (int p = 0; p < 2; ++p) {
+      facts.entries_at[p] = static_cast<int32_t>(tree_.entries.size());
+      Py_ssize_t pos = 0;
+      PyObject *key, *value;
+      while (PyDict_Next(facts.parts[p], &pos, &key, &value)) {
+        tree_.entries.push_back({key, value});
+        tree_.keys.push_back(py::reinterpret_borrow<py::object>(key));
+      }
+      facts.num_entries[p] = static_cast<int32_t>(tree_.entries.size()) - facts.entries_at[p];
+    }
     tree_.modules.push_back(facts);
     // named_parameters and named_buffers walk the same modules in the same order (pre-order): each module's
     // buffers are gathered with its parameters, while its dicts are at hand, and listed after all of them.
@@ -373,9 +398,24 @@ py::object build_module_tree(py::handle root, py::handle module_type, py::tuple 
 
 namespace {
 
+// Whether a _parameters or _buffers dict whose tag moved still holds its recorded items: the same key objects
+// (held by the tree: an equal address is that str) bound to the same values, in the same order. FSDP2 writes
+// each parameter's slot twice a step (the unsharded tensor in, the sharded DTensor back), and anyone may
+// write a slot with what it holds already: the traversal is the same. A value compared equal is the live
+// object the dict holds now, so the recorded pointer to it is exact. (PyDict_Next runs no Python code.)
+bool same_items(PyObject* part, const Entry* entries, int32_t n) {
+  if (PyDict_GET_SIZE(part) != n) return false;
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  for (int32_t i = 0; PyDict_Next(part, &pos, &key, &value); ++i) {
+    if (key != entries[i].key || value != entries[i].value) return false;
+  }
+  return true;
+}
+
 // Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
 // held by a _modules dict found unchanged before it (pre-order), so following it is safe.
-bool module_unchanged(ModuleFacts& m) {
+bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries) {
   PyTypeObject* type = Py_TYPE(m.module);
   if (type != m.type || type->tp_version_tag != m.type_tag) return false;
   PyObject** dict_ptr = _PyObject_GetDictPtr(m.module);
@@ -398,7 +438,10 @@ bool module_unchanged(ModuleFacts& m) {
   }
   // (A dict found unchanged is alive: the unchanged __dict__ above holds it.)
   for (int p = 0; p < 3; ++p) {
-    if (version_of(m.parts[p]) != m.part_versions[p]) return false;
+    const uint64_t version = version_of(m.parts[p]);
+    if (version == m.part_versions[p]) continue;
+    if (p == 2 || !same_items(m.parts[p], entries.data() + m.entries_at[p], m.num_entries[p])) return false;
+    m.part_versions[p] = version;  // written, yet holding what it held: tagged anew
   }
   return true;
 }
@@ -421,7 +464,7 @@ bool walk(ModuleTree& tree, PyObject* root) {
   constexpr size_t kAhead = 4;
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) prefetch_module(tree.modules[i + kAhead]);
-    if (!module_unchanged(tree.modules[i])) return false;
+    if (!module_unchanged(tree.modules[i], tree.entries)) return false;
   }
   return true;
 }

@@ -8,6 +8,7 @@
 // to still use it (so it is alive). check_held() is the one exception: its HeldStorages holds strong
 // references to the storages it checked, for the resize or watch that follows in the same call.
 #include <Python.h>
+#include <structmember.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -865,6 +866,56 @@ void bump_versions(py::handle list) {
     if (!t.defined() || t.is_inference()) continue;
     t.unsafeGetTensorImpl()->bump_version();
   }
+}
+
+// The slot a wrapper subclass keeps its local tensor in (a DTensor's `_local_tensor`, declared in __slots__):
+// its offset in the object, found through the class's member descriptor (what `t._local_tensor` reads), or
+// -1 where the class has no such plain slot.
+Py_ssize_t local_tensor_slot(PyTypeObject* type) {
+  static PyObject* name = PyUnicode_InternFromString("_local_tensor");  // (never freed: the interpreter's)
+  PyObject* descr = _PyType_Lookup(type, name);  // borrowed
+  if (descr == nullptr || Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
+  const PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+  if (member->type != T_OBJECT_EX && member->type != T_OBJECT) return -1;
+  return member->offset;
+}
+
+py::object local_tensors(py::handle list) {
+  Items items = items_of(list);
+  Py_ssize_t first_wrapper = -1;
+  for (Py_ssize_t i = 0; i < items.size && first_wrapper < 0; ++i) {
+    if (!plain_tensor(items.data[i])) first_wrapper = i;
+  }
+  if (first_wrapper < 0) return py::reinterpret_borrow<py::object>(list);  // (all plain: the list itself)
+  py::list out(items.size);
+  PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  // (The last class's slot, found again only when the class changes: a target's wrappers share one.)
+  PyTypeObject* known = nullptr;
+  Py_ssize_t offset = -1;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    PyObject* obj = items.data[i];
+    if (!plain_tensor(obj)) {
+      if (!THPVariable_Check(obj)) return py::none();
+      if (Py_TYPE(obj) != known) {
+        known = Py_TYPE(obj);
+        offset = local_tensor_slot(known);
+      }
+      if (offset < 0) return py::none();
+      obj = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+      if (obj == nullptr || !plain_tensor(obj)) return py::none();  // (unset, or itself a wrapper)
+    }
+    Py_INCREF(obj);
+    slots[i] = obj;
+  }
+  return std::move(out);
+}
+
+py::bytes object_ids(py::handle list) {
+  Items items = items_of(list);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, items.size * static_cast<Py_ssize_t>(sizeof(uintptr_t)));
+  if (out == nullptr) throw py::error_already_set();
+  std::memcpy(PyBytes_AS_STRING(out), items.data, static_cast<size_t>(items.size) * sizeof(uintptr_t));
+  return py::reinterpret_steal<py::bytes>(out);
 }
 
 py::object data_ptrs_or_zero(py::handle list) {

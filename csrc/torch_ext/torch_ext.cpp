@@ -287,6 +287,10 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("data_ptrs_or_zero", &data_ptrs_or_zero, py::arg("items"),
         "data_ptr() of each plain tensor or UntypedStorage in a list, 0 where the storage holds no memory; None "
         "where an item is something else.");
+  m.def("local_tensors", &local_tensors, py::arg("tensors"),
+        "The list with each DTensor (a subclass keeping a plain tensor in a `_local_tensor` slot) replaced by its "
+        "local tensor; the list itself where all are plain tensors; None where an item is anything else.");
+  m.def("object_ids", &object_ids, py::arg("items"), "The items' id()s as native words, in one bytes object.");
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
   m.attr("MODULE_TREE") = module_tree_supported();

@@ -224,6 +224,12 @@ bool any_grad(py::handle list, Py_ssize_t count);
 // an item is anything else (the caller's Python loop decides).
 py::object data_ptrs_or_zero(py::handle list);
 void bump_versions(py::handle list);
+// The tensors holding the data: each tensor subclass that keeps a plain tensor in a `_local_tensor` slot (a
+// DTensor) replaced by it; the list itself where every item is a plain tensor; None where an item is
+// anything else (the caller's Python path decides).
+py::object local_tensors(py::handle list);
+// The items' addresses (id()), as native words: two lists hold the same objects iff these are equal.
+py::bytes object_ids(py::handle list);
 
 // A plain nn.Module tree's traversal (module_tree.cpp).
 class ModuleTree;

@@ -256,6 +256,60 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     return Named(got[0], got[1], len(got[1]) - len(entry[1]))
 
 
+# An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
+# are the DTensors FSDP2 registers while sharded, under their own names, then the buffers: a plain module's
+# traversal, which the record's is checked to be when it is made. FSDP2 swaps each parameter's slot out and
+# back every step (the record sees the same items again); the groups, weakly referenced (they reference the
+# modules), are resharded where a forward left them unsharded, as the Python walk does.
+_fsdp2_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int, list[Any]]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Optional[Named]:
+    """named_tensors() of a module passed to fully_shard, as fsdp2_named_tensors reads it, without walking it
+    in Python: its recorded traversal while nothing it depends on changed; None where that does not apply
+    (the caller walks it): no recorded traversal here, a module another strategy owns, parameters FSDP2
+    does not manage (they come after the managed ones there), or unsharded gradients accumulated without
+    gradient sync (named between the sharded ones there)."""
+    if not _ext.MODULE_TREE:
+        return None
+    entry = _fsdp2_trees.get(module)
+    got = None
+    if entry is not None:
+        groups = fsdp.live_groups(entry[3])
+        if groups is not None:
+            fsdp.reshard_idle(groups)  # (before the check: an unsharded group's slots hold other tensors)
+            got = _tree_tensors(entry[:3], module, include_grads)
+    if got is None:
+        entry = _record_fsdp2(module)
+        if entry is None:
+            return None
+        groups = fsdp.live_groups(entry[3])
+        got = _tree_tensors(entry[:3], module, include_grads) if groups is not None else None
+        if got is None:  # (changed since it was just recorded: another thread)
+            return None
+    if _converted_by_zero3(got[1], entry[2]) or (include_grads and fsdp.unsharded_grads_pending(groups)):
+        return None
+    return Named(got[0], got[1], len(got[1]) - len(entry[1]))
+
+
+def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, list[Any]]]:
+    """Walks an FSDP2 root in Python once (what it checks and raises, it raises; idle groups are resharded),
+    records its traversal and keeps the record where it reads the same (names, tensor objects)."""
+    if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
+        return None
+    state, _ = fsdp._fsdp2_named(module, include_grads=False)
+    refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
+    built = _ext.build_module_tree(module, torch.nn.Module, refused)
+    if built is None:
+        return None
+    tree, names, tensors, num_params = built
+    if names != [n for n, _ in state] or not all(a is b for a, b in zip(tensors, (t for _, t in state))):
+        return None
+    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module))
+    return entry
+
+
 def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,
                   include_grads: bool) -> Optional[tuple[list[str], list[torch.Tensor]]]:
     """(names, tensors) from a recorded traversal, with the gradients where asked; None if it changed."""
@@ -276,8 +330,11 @@ def _recorded(target: Any, include_grads: bool) -> Optional[Named]:
 
 
 def _recorded_part(obj: Any, include_grads: bool) -> Optional[Named]:
-    """named_tensors() of a plain module or a torch optimizer from its recorded traversal, else None."""
+    """named_tensors() of a plain module, a fully_shard (FSDP2) root or a torch optimizer from its recorded
+    traversal, else None."""
     if isinstance(obj, torch.nn.Module):
+        if fsdp.is_fsdp2_root(obj):
+            return _recorded_fsdp2_tensors(obj, include_grads)
         return _recorded_module_tensors(obj, include_grads)
     if isinstance(obj, torch.optim.Optimizer):
         return _recorded_optimizer_tensors(obj)

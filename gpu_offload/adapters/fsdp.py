@@ -266,6 +266,48 @@ def _fsdp2_groups(module: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
                 yield name, m, g  # type: ignore[misc]
 
 
+def is_fsdp2_root(module: nn.Module) -> bool:
+    """Whether the module itself was passed to ``fully_shard`` (FSDP2), asked of its class alone."""
+    cls = _fsdp2_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def group_refs(module: nn.Module) -> list[tuple[str, Any, Any]]:
+    """(path, weak reference to the FSDPModule, weak reference to the FSDPParamGroup) of every group in
+    ``module``: what a recorded traversal keeps (a group references its modules, which a strong reference
+    from the record would keep alive)."""
+    import weakref
+
+    return [(path, weakref.ref(m), weakref.ref(g)) for path, m, g in _fsdp2_groups(module)]
+
+
+def live_groups(refs: list[tuple[str, Any, Any]]) -> list[tuple[str, nn.Module, Any]] | None:
+    """The groups of group_refs(), or None where one of them is gone."""
+    out = [(path, m(), g()) for path, m, g in refs]
+    return None if any(m is None or g is None for _, m, g in out) else out
+
+
+def reshard_idle(groups: list[tuple[str, nn.Module, Any]]) -> None:
+    """What _fsdp2_named does to each group before naming its parameters: reshards an idle unsharded one."""
+    for path, m, group in groups:
+        if not group.is_sharded:
+            _fsdp2_ensure_sharded(path, m, group)
+
+
+def unsharded_grads_pending(groups: list[tuple[str, nn.Module, Any]]) -> bool:
+    """Whether any parameter of the groups holds a gradient accumulated unsharded without gradient sync
+    (what _fsdp2_named names "<name>.grad_unsharded"). Memory-bound, about 0.4 us per parameter: one pass
+    over the FSDPParams per attribute (a C++ pass measured no faster)."""
+    for _, _, group in groups:
+        params = group.fsdp_params
+        if [fp.unsharded_accumulated_grad for fp in params].count(None) != len(params):
+            return True
+        unsharded = [fp.__dict__.get("_unsharded_param") for fp in params]
+        if any(u.grad is not None for u in unsharded if u is not None):
+            return True
+    return False
+
+
 def _fsdp2_ensure_sharded(path: str, module: nn.Module, group: Any) -> None:
     if group.is_sharded:
         return
