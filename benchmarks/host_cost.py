@@ -124,13 +124,17 @@ class _Sharded(torch.nn.Module):
             self.experts = experts
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for expert in self.experts:
+                x = x + expert(x)
             return x
 
     def __init__(self, blocks: torch.nn.ModuleList) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(self.Block(b) for b in blocks)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (x: [batch, 2])
+        for block in self.blocks:
+            x = block(x)
         return x
 
 

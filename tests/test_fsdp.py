@@ -385,6 +385,22 @@ def _check_fsdp2_record(rank: int, world_size: int) -> None:
             finally:
                 fsdp_adapter._fsdp2_named = walk
     a.set_requires_gradient_sync(True)
+    if recorded:
+        # The shard layout, asked at every plan miss, comes from the record while the FSDPParams and their padded
+        # shards are the same (an offload leaves them so), and is read again once a shard is another tensor.
+        info = adapters.shard_info(a)
+        compute, fsdp_adapter.fsdp_shard_info = fsdp_adapter.fsdp_shard_info, None  # (a call would raise)
+        try:
+            assert adapters.shard_info(a) == info
+            go.offload(a)
+            go.reload(a)
+            assert adapters.shard_info(a) == info
+        finally:
+            fsdp_adapter.fsdp_shard_info = compute
+        fp = next(iter(fsdp_adapter._fsdp2_groups(a)))[2].fsdp_params[0]
+        fp._sharded_param_data = fp._sharded_param_data.to(torch.float64)
+        assert adapters.shard_info(a) != info and '"torch.float64"' in adapters.shard_info(a)
+        del fp
     # The record keeps nothing of the model alive.
     ref = weakref.ref(a)
     del a, oa

@@ -847,6 +847,24 @@ def test_a_restore_refused_before_its_copy_bumps_no_version(arena, checks, refus
 
 
 @needs_ext
+def test_same_views_ignores_the_storages_memory_and_nothing_else():
+    base = torch.randn(6)
+    ts = [base, base[2:], torch.randn(2, 3)]
+    record = torch_ext.ext.record(ts)
+    base.untyped_storage().resize_(0)  # (what an offload does: the storage holds nothing)
+    assert not record.check(ts) and record.same_views(ts)
+    base.untyped_storage().resize_(24)
+    for change in (lambda: ts[2].t_(), lambda: setattr(ts[2], "data", torch.randn(2, 3)),
+                   lambda: ts.__setitem__(1, base[1:]), lambda: ts[2].set_(torch.randn(2, 3).untyped_storage())):
+        fresh = [base, base[2:], torch.randn(2, 3)]
+        ts[:] = fresh
+        record = torch_ext.ext.record(ts)
+        assert record.same_views(ts)
+        change()
+        assert not record.same_views(ts)
+
+
+@needs_ext
 def test_a_records_check_bumps_only_once_every_tensor_passed(checks):
     if checks != "helper":
         pytest.skip("the helper's records only")

@@ -312,6 +312,8 @@ py::tuple TargetRecord::tensor_columns() const {
   return py::make_tuple(storage, offsets, shapes, strides, dtypes);
 }
 
+bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(list, nullptr, /*memory=*/false); }
+
 bool TargetRecord::check(py::handle list, bool bump) const {
   if (!check_impl<false>(list, nullptr)) return false;
   if (bump) {
@@ -340,7 +342,8 @@ py::object TargetRecord::check_held(py::handle list) const {
 }
 
 template <bool kHold>
-bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held) const {
+bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held,
+                              bool memory) const {
   if (!PyList_CheckExact(list.ptr())) return false;
   Items items = items_of(list);
   const Py_ssize_t n = items.size;
@@ -375,7 +378,7 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
     }
     // The storage, with its first tensor (so alive: this tensor is on it): same memory, same size (a
     // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
-    if (t.first) {
+    if (t.first && memory) {
       if (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
           storage->resizable() != s.resizable) {
         return false;

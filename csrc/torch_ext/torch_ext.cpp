@@ -212,6 +212,9 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("check", &TargetRecord::check, py::arg("tensors"), py::arg("bump") = false,
            "Whether the tensors are still the recorded ones, unchanged; with bump, each one's version counter is "
            "then bumped (an in-place write), only if all of them are.")
+      .def("same_views", &TargetRecord::same_views, py::arg("tensors"),
+           "check() without the storages' memory and sizes: the same tensors on the same storages, viewing them "
+           "the same way.")
       .def("check_held", &TargetRecord::check_held, py::arg("tensors"),
            "check(), holding the live storages for resize_live and watch_live: a HeldStorages, or None where "
            "check() answers False.")

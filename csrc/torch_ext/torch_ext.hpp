@@ -99,6 +99,9 @@ class TargetRecord {
   // does (torch.autograd.graph.increment_version): through the TensorImpls just found to be the list's, in
   // the same call (nothing else runs in between), without reading each tensor's object again.
   bool check(py::handle list, bool bump = false) const;
+  // check() without the storages' memory and sizes: the same tensor objects on the same storages (StorageImpls),
+  // viewing them the same way (shape, strides, offset, dtype), whatever their storages hold now.
+  bool same_views(py::handle list) const;
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;
@@ -165,8 +168,9 @@ class TargetRecord {
     bool resizable;
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
+  // memory: also each storage's memory, size, device and resizability (check()); else only what views it.
   template <bool kHold>
-  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held) const;
+  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
   // `held` when it is this record's unspent HeldStorages, else nullptr.
   HeldStorages* usable_held(py::handle held) const;

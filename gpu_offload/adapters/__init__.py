@@ -155,6 +155,10 @@ def shard_info(target: Any) -> Optional[str]:
     optimizers, DeepSpeed), as canonical JSON keyed by part index; None when nothing in it is sharded."""
     info: dict[str, Any] = {}
     for i, part in enumerate(parts(target)):
+        part_info = _recorded_fsdp2_shard_info(part)
+        if part_info is not None:
+            info[str(i)] = part_info
+            continue
         strategy = _recorded_strategy(part) or strategy_of(part)
         if strategy is not None and strategy.shard_info is not None:
             part_info = strategy.shard_info(part)
@@ -261,7 +265,7 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
 # traversal, which the record's is checked to be when it is made. FSDP2 swaps each parameter's slot out and
 # back every step (the record sees the same items again); the groups, weakly referenced (they reference the
 # modules), are resharded where a forward left them unsharded, as the Python walk does.
-_fsdp2_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int, list[Any]]]" = (
+_fsdp2_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int, list[Any], dict[str, Any]]]" = (
     weakref.WeakKeyDictionary())
 
 
@@ -306,8 +310,34 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
     tree, names, tensors, num_params = built
     if names != [n for n, _ in state] or not all(a is b for a, b in zip(tensors, (t for _, t in state))):
         return None
-    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module))
+    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module), {})
     return entry
+
+
+def _recorded_fsdp2_shard_info(module: Any) -> Optional[dict[str, Any]]:
+    """fsdp_shard_info() of an FSDP2 root whose recorded traversal is valid, as its record last computed it,
+    while its parameters' FSDPParams are the same objects and their padded shards (`_sharded_param_data`)
+    the same tensors on the same storages, viewed the same way, whatever memory an offload left them (one
+    C++ check: the info is read from those and from facts an
+    FSDPParam keeps for its life: its original shape, placements and mesh). None where that does not
+    apply (the caller computes it). Every plan miss of an FSDP2 target asks it: with gradients copied, each
+    step (its new gradients are a new target), and computing it reads every parameter in Python."""
+    if _ext is None or not isinstance(module, torch.nn.Module) or not fsdp.is_fsdp2_root(module):
+        return None
+    entry = _fsdp2_trees.get(module)
+    groups = fsdp.live_groups(entry[3]) if entry is not None else None
+    if groups is None or not entry[0].check(module):
+        return None
+    params = [fp for _, _, group in groups for fp in group.fsdp_params]
+    shards = [fp._sharded_param_data for fp in params]
+    cache, ids = entry[4], _ext.object_ids(params)
+    record = cache.get("record")
+    if cache.get("ids") == ids and record is not None and record.same_views(shards):
+        return cache["info"]
+    info = fsdp.fsdp_shard_info(module)
+    cache.clear()
+    cache.update(ids=ids, record=_ext.record(shards), info=info)
+    return info
 
 
 def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,
