@@ -332,7 +332,7 @@ class TargetPlan:
             names, nbytes, devices, hosts = self.layout.storage_columns
             live, keys = self.live, self.keys
             pick = operator.itemgetter(*live) if len(live) > 1 else (lambda xs: tuple(xs[i] for i in live))
-            self._live_columns = (list(pick(keys)), list(pick(nbytes)), list(map(index_device, pick(devices))),
+            self._live_columns = (list(pick(keys)), list(pick(nbytes)), _devices_of(pick(devices)),
                                   list(pick(hosts)), list(pick(names)))
         return self._live_columns
 
@@ -583,6 +583,14 @@ def _plain(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if set(map(type, tensors)) <= PLAIN_TENSOR_TYPES:
         return tensors
     return [t if type(t) in PLAIN_TENSOR_TYPES else unwrap(t) for t in tensors]
+
+
+def _devices_of(indices: Sequence[int]) -> list[torch.device]:
+    """index_device() of each index, each distinct index converted once (a target has one or a few)."""
+    distinct = set(indices)
+    if len(distinct) == 1:
+        return [index_device(next(iter(distinct)))] * len(indices)
+    return list(map(index_device, indices))
 
 
 def _ids(tensors: list[torch.Tensor]) -> Any:

@@ -392,6 +392,7 @@ def _check_fsdp2_record(rank: int, world_size: int) -> None:
         compute, fsdp_adapter.fsdp_shard_info = fsdp_adapter.fsdp_shard_info, None  # (a call would raise)
         try:
             assert adapters.shard_info(a) == info
+            assert adapters.shard_info([a, oa]) is adapters.shard_info([a, oa])  # (its JSON made once, too)
             go.offload(a)
             go.reload(a)
             assert adapters.shard_info(a) == info

@@ -154,6 +154,7 @@ def shard_info(target: Any) -> Optional[str]:
     """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
     optimizers, DeepSpeed), as canonical JSON keyed by part index; None when nothing in it is sharded."""
     info: dict[str, Any] = {}
+    kept = True  # every part's info is one a record kept (never changed once made)
     for i, part in enumerate(parts(target)):
         part_info = _recorded_fsdp2_shard_info(part)
         if part_info is not None:
@@ -164,7 +165,24 @@ def shard_info(target: Any) -> Optional[str]:
             part_info = strategy.shard_info(part)
             if part_info is not None:
                 info[str(i)] = part_info
-    return json.dumps(info, sort_keys=True, default=str) if info else None
+                kept = False
+    if not info:
+        return None
+    if not kept:
+        return json.dumps(info, sort_keys=True, default=str)
+    # The same kept dicts under the same indices: the same JSON (about 2 us a parameter to make again).
+    key = tuple(info.items())
+    last = _last_kept_shard_info[0]  # (one read: the pair another thread may replace whole)
+    if last is not None and len(last[0]) == len(key) and all(
+            a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], key)):
+        return last[1]
+    text = json.dumps(info, sort_keys=True, default=str)
+    _last_kept_shard_info[0] = (key, text)  # (holds the dicts: an equal identity is that very dict)
+    return text
+
+
+# The last JSON made of kept infos alone, with them: (((index, info), ...), text), or None.
+_last_kept_shard_info: list[Any] = [None]
 
 
 def state_dict_kinds() -> frozenset[str]:
@@ -330,13 +348,12 @@ def _recorded_fsdp2_shard_info(module: Any) -> Optional[dict[str, Any]]:
         return None
     params = [fp for _, _, group in groups for fp in group.fsdp_params]
     shards = [fp._sharded_param_data for fp in params]
-    cache, ids = entry[4], _ext.object_ids(params)
-    record = cache.get("record")
-    if cache.get("ids") == ids and record is not None and record.same_views(shards):
-        return cache["info"]
+    ids = _ext.object_ids(params)
+    kept = entry[4].get("shard_info")  # (one read: (ids, record, info), replaced whole by another thread)
+    if kept is not None and kept[0] == ids and kept[1] is not None and kept[1].same_views(shards):
+        return kept[2]
     info = fsdp.fsdp_shard_info(module)
-    cache.clear()
-    cache.update(ids=ids, record=_ext.record(shards), info=info)
+    entry[4]["shard_info"] = (ids, _ext.record(shards), info)
     return info
 
 
