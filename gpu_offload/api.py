@@ -824,7 +824,11 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
     for _, storage, _ in records:
         if storage.nbytes() != 0:
             storage.resize_(0)
-    _registry.refuse([st for _, st, _ in records], [r.name for _, _, r in records])  # offloaded as before
+    # Offloaded as before, each with its own message: a dropped gradient (no host copy) says it was dropped.
+    names = [r.name for _, _, r in records]
+    messages = [dropped if r.region is None else offloaded for (_, _, r), dropped, offloaded
+                in zip(records, _registry.drop_refusals(names), _registry.refusals(names))]
+    _registry.refuse([st for _, st, _ in records], names, messages)
 
 
 def is_offloaded(target: Any) -> bool:

@@ -1147,6 +1147,30 @@ def test_a_dropped_gradient_refuses_access_either_way(arena, monkeypatch, checks
         assert torch.equal(m[0].inner.weight.grad, torch.zeros(2, 3))
 
 
+def test_a_general_reload_that_fails_leaves_dropped_gradients_saying_so(arena, monkeypatch, checks):
+    # Gradients dropped one by one are reloaded the general way with the state; a copy that fails there
+    # undoes the reload, and each storage refuses again with its own message, not the offloaded one.
+    from gpu_offload import api
+    from conftest import inject_failure
+
+    if checks == "python":
+        pytest.skip("refusing access is the helper's")
+    monkeypatch.setattr(api, "_drop_plan", lambda grads, state: None)
+    m = _model()
+    _with_grads(m)
+    go.offload(m, grads="drop", arena=arena)
+    inject_failure(monkeypatch, plan.CopyPlans, "run", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        go.reload(m)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"0\.inner\.weight\.grad was dropped by offload"):
+        m[0].inner.weight.grad.sum()
+    with pytest.raises(RuntimeError, match=r"0\.inner\.weight is offloaded"):
+        m[0].inner.weight.sum()
+    go.reload(m)
+    assert torch.equal(m[0].inner.weight.grad, torch.zeros(2, 3))
+
+
 def test_a_gradient_replaced_while_dropped_is_left_as_it_is(arena, checks):
     m = _model()
     _with_grads(m)
