@@ -454,3 +454,49 @@ def _check_dtensor_plans(rank: int, world_size: int) -> None:
 
 def test_dtensor_plans_are_of_their_local_tensors_and_of_those_very_dtensors() -> None:
     run_ranks(_check_dtensor_plans, 1)
+
+
+# -- FSDP2 record under two threads: one offloads and reloads, the other snapshots and restores ------------
+def _check_fsdp2_record_two_threads(rank: int, world_size: int) -> None:
+    import threading
+    import time
+
+    a, _ = _make("fsdp2", world_size)
+    expected = {n: _local(t).clone() for n, t in fsdp_adapter.fsdp2_named_tensors(a, include_grads=False)}
+    stop, errors = threading.Event(), []
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                go.offload(a)
+                go.reload(a)
+                time.sleep(0.001)  # (a moment live: the other thread's calls land on both states)
+        except BaseException as exc:  # (reported by the main thread)
+            errors.append(exc)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    served = refused = 0
+    try:
+        for _ in range(80):
+            try:
+                with go.snapshot(a) as snap:
+                    got = snap.tensors()
+                    assert all(torch.equal(got[n], expected[n]) for n in expected)  # never a stale or torn copy
+                    go.restore(a, snap)
+                served += 1
+            except go.OffloadError as exc:  # offloaded by the other thread at that moment: refused, named
+                assert "offloaded" in str(exc) or "released" in str(exc), exc
+                refused += 1
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors
+    assert served > 0, (served, refused)  # (how many were refused depends on the scheduling: none is fine)
+    assert _read(a, False) == _walked(a, False) and _read(a, True) == _walked(a, True)
+    for n, t in fsdp_adapter.fsdp2_named_tensors(a, include_grads=False):
+        assert torch.equal(_local(t), expected[n]), n
+
+
+def test_an_fsdp2_models_record_holds_under_two_threads() -> None:
+    run_ranks(_check_fsdp2_record_two_threads, 1)
