@@ -563,7 +563,7 @@ def _regrow_dropped(named: Any, dropped: _registry.OffloadedSet) -> None:
     try:
         _plan.resize(resolved, release=False, refusals=plan.refusals)
     except BaseException as exc:
-        _undo_regrow(resolved, dropped)
+        _undo_reload_plan(resolved, dropped, [])  # (no copies: they stay dropped, refusing access)
         if isinstance(exc, (RuntimeError, MemoryError)):
             raise _reload_out_of_memory(exc, sum(dropped.nbytes), resolved.layout.devices) from exc
         raise
@@ -571,16 +571,6 @@ def _regrow_dropped(named: Any, dropped: _registry.OffloadedSet) -> None:
     _registry.remove(dropped)
     dropped.forget(None)
     plan.dropped = None
-
-
-def _undo_regrow(resolved: _plan.Resolved, dropped: _registry.OffloadedSet) -> None:
-    """Releases the dropped gradients an interrupted regrow allocated: they stay dropped, refusing access."""
-    storages = resolved.storages()
-    for i in resolved.plan.live:
-        if storages[i].nbytes() != 0:
-            storages[i].resize_(0)
-    resolved.plan.refresh(resolved.tensors, released=True)
-    _registry.refuse(dropped.keys, dropped.names, resolved.plan.refusals)
 
 
 def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:
@@ -621,7 +611,8 @@ def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.Offloade
 
 def _undo_reload_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, events: list[Any]) -> None:
     """Releases the storages an interrupted fast reload allocated; the data stays in the arena and the
-    target stays offloaded through its plan."""
+    target stays offloaded through its plan (a regrow of dropped gradients: they stay dropped, refusing
+    access with their plan's messages)."""
     offloaded.events = list(offloaded.events) + list(events)
     storages = resolved.storages()
     grown = [i for i in resolved.plan.live if storages[i].nbytes() != 0]

@@ -352,12 +352,12 @@ class TargetPlan:
         (memory freed and re-allocated at the same address with another size is not the same).
 
         bump: where it is, every tensor's version is then bumped (increment_version), in the check's own
-        pass where the helper recorded the plan."""
+        pass where the helper recorded the plan. `tensors`: the plain ones (_plain's), as plans are of them."""
         if not self._same_names(names):
             return False
         if self.record is not None:
             return bool(self.record.check(tensors, bump))
-        plain = _plain(tensors)  # (the cache key, found by lookup(), was these tensors' ids)
+        plain = tensors  # (the cache key, found by lookup(), was these tensors' ids)
         if self.ptrs != data_ptrs(plain):
             return False
         if not self.same_views(plain):
@@ -874,7 +874,7 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
         info = shard_info()
         if info is not None:
             bound.layout = bound.layout.with_shard_info(info)
-    plan = TargetPlan(names, tensors, bound, plain if plain is not None else _plain(tensors))
+    plan = TargetPlan(names, tensors, bound, plain)
     # Only live storages at real addresses, whose tensors all fit inside them, are worth remembering. (A
     # record read the sizes it holds; the Python bind may have had them overridden.)
     layout_nbytes = bound.layout.storage_columns[1]

@@ -885,11 +885,9 @@ Py_ssize_t local_tensor_slot(PyTypeObject* type) {
 
 py::object local_tensors(py::handle list) {
   Items items = items_of(list);
-  Py_ssize_t first_wrapper = -1;
-  for (Py_ssize_t i = 0; i < items.size && first_wrapper < 0; ++i) {
-    if (!plain_tensor(items.data[i])) first_wrapper = i;
+  if (std::all_of(items.data, items.data + items.size, plain_tensor)) {
+    return py::reinterpret_borrow<py::object>(list);  // (all plain: the list itself)
   }
-  if (first_wrapper < 0) return py::reinterpret_borrow<py::object>(list);  // (all plain: the list itself)
   py::list out(items.size);
   PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
   // (The last class's slot, found again only when the class changes: a target's wrappers share one.)

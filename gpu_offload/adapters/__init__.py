@@ -315,7 +315,7 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
     return Named(got[0], got[1], len(got[1]) - len(entry[1]))
 
 
-def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, list[Any]]]:
+def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, list[Any], dict[str, Any]]]:
     """Walks an FSDP2 root in Python once (what it checks and raises, it raises; idle groups are resharded),
     records its traversal and keeps the record where it reads the same (names, tensor objects)."""
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
@@ -336,10 +336,10 @@ def _recorded_fsdp2_shard_info(module: Any) -> Optional[dict[str, Any]]:
     """fsdp_shard_info() of an FSDP2 root whose recorded traversal is valid, as its record last computed it,
     while its parameters' FSDPParams are the same objects and their padded shards (`_sharded_param_data`)
     the same tensors on the same storages, viewed the same way, whatever memory an offload left them (one
-    C++ check: the info is read from those and from facts an
-    FSDPParam keeps for its life: its original shape, placements and mesh). None where that does not
-    apply (the caller computes it). Every plan miss of an FSDP2 target asks it: with gradients copied, each
-    step (its new gradients are a new target), and computing it reads every parameter in Python."""
+    C++ check). The info is read from those and from what an FSDPParam keeps for its life: its original
+    shape, placements and mesh. None where that does not apply (the caller computes it). Every plan miss
+    of an FSDP2 target asks it: with gradients copied, each step (its new gradients are a new target), and
+    computing it reads every parameter in Python."""
     if _ext is None or not isinstance(module, torch.nn.Module) or not fsdp.is_fsdp2_root(module):
         return None
     entry = _fsdp2_trees.get(module)
