@@ -162,7 +162,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             snap.free()
             raise
     _log_rate("snapshot", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
-    snap._dtensor_specs = resolved.plan.dtensor_specs  # for Snapshot.state_dict() (DTensors wrapped again)
+    snap._dtensor_specs = resolved.plan.dtensor_specs(resolved.wrapped)  # for Snapshot.state_dict() (DTensors wrapped again)
     if isinstance(target, torch.nn.Module):  # for save_state_dict: which names its state_dict() has
         snap._source = weakref.ref(target)
     return snap

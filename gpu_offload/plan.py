@@ -11,6 +11,7 @@ The cache holds no strong reference to tensors or storages: dropping a model dro
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import itertools
@@ -229,7 +230,9 @@ class TargetPlan:
     the per-tensor Python checks below."""
 
     def __init__(self, names: list[str], tensors: list[torch.Tensor], bound: Bound,
-                 plain: Optional[list[torch.Tensor]] = None) -> None:
+                 plain: Optional[list[torch.Tensor]] = None, like: Optional["TargetPlan"] = None) -> None:
+        """like: a plan of the same layout (_rebound(): new tensor objects laid out the same way), whose
+        per-storage lists made from the layout alone are shared instead of made again."""
         self.names = names
         self.layout: Layout = bound.layout
         # The storages' keys; None: the record's, read when first asked for (see keys).
@@ -272,11 +275,18 @@ class TargetPlan:
                 fired.append(True)
                 _forget(key, me)
 
-        # With a record, identity is checked in C++: one weak reference, to the first storage, is enough to
-        # drop the plan of a dead target promptly (a plan whose other tensors died is merely never valid),
-        # and the tensors carry none (torch.utils.swap_tensors refuses tensors that have one).
-        self.refs = ([weakref.ref(bound.storage(0), forget)] if self.record is not None
-                     else [weakref.ref(t, forget) for t in plain])
+        # With a record, identity is checked in C++: weak references to the first storage and to the last
+        # tensor's drop the plan of a dead target promptly (a plan whose other tensors died is merely never
+        # valid; the last ones are a target's gradients, new tensors after each backward), and the tensors
+        # carry none (torch.utils.swap_tensors refuses tensors that have one).
+        if self.record is not None:
+            first = bound.storage(0)
+            self.refs = [weakref.ref(first, forget)]
+            last = plain[-1].untyped_storage()
+            if last._cdata != first._cdata:
+                self.refs.append(weakref.ref(last, forget))
+        else:
+            self.refs = [weakref.ref(t, forget) for t in plain]
         self._views: Optional[_ViewCheck] = None  # made at the first hit
         # One tensor index per storage, to reach the storage again without keeping it alive.
         if bound.first_tensor is not None:
@@ -289,20 +299,23 @@ class TargetPlan:
                 first.setdefault(storage, i)
             self.first_tensor = [first[i] for i in range(bound.layout.num_storages)]
         # The storages that hold memory (an offload releases these), and the copies' device groups.
-        self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
-        if len(set(devices)) == 1:
-            groups = {devices[0]: self.live} if self.live else {}
+        if like is not None and like.layout is bound.layout:
+            self.live, self._groups = like.live, like._groups
         else:
-            groups = {}
-            for i in self.live:
-                groups.setdefault(devices[i], []).append(i)
-        whole = len(groups) == 1 and len(self.live) == len(layout_nbytes)
-        self._groups = [(d, None if whole else idx) for d, idx in sorted(groups.items())]
+            self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
+            if len(set(devices)) == 1:
+                groups = {devices[0]: self.live} if self.live else {}
+            else:
+                groups = {}
+                for i in self.live:
+                    groups.setdefault(devices[i], []).append(i)
+            whole = len(groups) == 1 and len(self.live) == len(layout_nbytes)
+            self._groups = [(d, None if whole else idx) for d, idx in sorted(groups.items())]
         self._sizes = layout_nbytes
         # In memory only (never saved): each DTensor's spec (mesh, placements, global shape), so that a
-        # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint.
-        self.dtensor_specs: dict[str, Any] = {} if plain is tensors else {
-            n: t._spec for n, t in zip(names, tensors) if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
+        # snapshot's host copies can be wrapped again as DTensors for torch.distributed.checkpoint. Read at
+        # the first snapshot through the plan (dtensor_specs()): an offload never needs them.
+        self._dtensor_specs: Optional[dict[str, Any]] = {} if plain is tensors else None
         # The wrappers' own identities (the checks are of their local tensors): a plan of DTensors is valid only
         # for those very DTensors (their specs are the plan's), and a plan of plain tensors only for them.
         self.wrapper_ids: Any = None if plain is tensors else _ids(tensors)
@@ -312,6 +325,9 @@ class TargetPlan:
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = _fork.new_lock()
         self._live_columns: Optional[tuple[list[int], list[int], list[Any], list[int], list[str]]] = None
+        # Their sizes, devices, host offsets and names alone (the layout's: shared by plans of one layout).
+        self._live_layout: Optional[tuple[list[int], list[Any], list[int], list[str]]] = (
+            like._live_layout if like is not None and like.layout is bound.layout else None)
         # The registry's OffloadedSet while an offload through this plan has released its storages (reload
         # then goes through it), and the registry generation this plan was last found clear of (api).
         self._offloaded: Any = None
@@ -325,15 +341,29 @@ class TargetPlan:
         # until the reload that grows them again (api).
         self.dropped: Any = None
 
+    def dtensor_specs(self, wrapped: list[torch.Tensor]) -> dict[str, Any]:
+        """Each DTensor's spec by name, read once (`wrapped`: the plan's tensors as the target gives them, the very
+        wrappers it is valid for)."""
+        specs = self._dtensor_specs
+        if specs is None:
+            specs = self._dtensor_specs = {n: t._spec for n, t in zip(self.names, wrapped)
+                                           if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
+        return specs
+
     def live_columns(self) -> tuple[list[int], list[int], list[Any], list[int], list[str]]:
         """Keys, sizes, devices, host offsets and names of the storages that hold memory (made once; shared,
         never to be changed)."""
         if self._live_columns is None:
             names, nbytes, devices, hosts = self.layout.storage_columns
             live, keys = self.live, self.keys
-            pick = operator.itemgetter(*live) if len(live) > 1 else (lambda xs: tuple(xs[i] for i in live))
-            self._live_columns = (list(pick(keys)), list(pick(nbytes)), _devices_of(pick(devices)),
-                                  list(pick(hosts)), list(pick(names)))
+            if len(live) == len(nbytes):  # (every storage holds memory: the columns as they are)
+                pick: Callable[[list[Any]], Any] = lambda xs: xs
+            else:
+                pick = operator.itemgetter(*live) if len(live) > 1 else (lambda xs: tuple(xs[i] for i in live))
+            if self._live_layout is None:
+                self._live_layout = (list(pick(nbytes)), _devices_of(pick(devices)), list(pick(hosts)),
+                                     list(pick(names)))
+            self._live_columns = (list(pick(keys)), *self._live_layout)
         return self._live_columns
 
     def all_resizable(self, resolved: "Resolved") -> Optional[str]:
@@ -523,9 +553,10 @@ class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
     def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
-                 hit: bool, held: Any = None, bumped: bool = False) -> None:
+                 hit: bool, held: Any = None, bumped: bool = False, wrapped: Optional[list[torch.Tensor]] = None) -> None:
         self.plan = plan
-        self.tensors = tensors
+        self.tensors = tensors  # (plain: a DTensor's local tensor)
+        self.wrapped = wrapped if wrapped is not None else tensors  # (as the target gives them)
         self._storages = storages
         self.hit = hit
         # The live storages as the check found them, held for this call's resize and watch (resolve(hold=True)
@@ -696,12 +727,21 @@ def _prune() -> None:
     # Only the plan whose tensor died: its key (ids) may already be another plan's, of new tensors at the
     # dead ones' ids, when the callback runs late (a collected cycle).
     while _dead_keys:
-        key, plan = _dead_keys.pop()
-        if _cache.get(key) is plan():
+        key, ref = _dead_keys.pop()
+        plan = ref()
+        if plan is not None and _cache.get(key) is plan:
             _cache.pop(key, None)
+            if plan.record is not None:
+                _retired.append(plan)  # (its layout may serve the target's next tensors: rebound())
 
 
-_stats = {"hits": 0, "misses": 0}
+# The last few recorded plans pruned because a tensor of theirs died (a target's gradients after the next
+# backward, the detached tensors of a state_dict() after the call): never valid again, kept only for their
+# layouts, which _rebound() gives to new tensors laid out the same way under the same names.
+_retired: "collections.deque[TargetPlan]" = collections.deque(maxlen=4)
+
+
+_stats = {"hits": 0, "misses": 0, "rebound": 0}
 
 
 def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[int, int]] = None,
@@ -724,17 +764,25 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
         # A plan an offload released is used only to say so (it is registered through it); otherwise the
         # storages were emptied some other way (discard) and a fresh bind says what is wrong.
         if plan is not None and (not plan.released or plan.offloaded is not None):
-            return Resolved(plan, plain, None, True, held, bumped)
+            return Resolved(plan, plain, None, True, held, bumped, wrapped=tensors)
     start = time.perf_counter()
+    _stats["misses"] += 1
+    if nbytes_of is None:
+        plan = _rebound(names, tensors, plain, shard_info)
+        if plan is not None:
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("plan: a new or changed target of %d tensors recorded in %.3f ms, laid out as a cached "
+                             "plan's under the same names (its layout reused; the next call on it is cached)",
+                             len(tensors), (time.perf_counter() - start) * 1e3)
+            return Resolved(plan, plain, None, False, wrapped=tensors)
     # (Bound as their local tensors: the layout is the same, and the helper's bind records plain tensors only.)
     bound = bind_lists(names, plain, nbytes_of)
-    _stats["misses"] += 1
     plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None, plain=plain)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
-    return Resolved(plan, plain, bound.storages_read, False)
+    return Resolved(plan, plain, bound.storages_read, False, wrapped=tensors)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
@@ -798,7 +846,7 @@ def cached(named: Sequence[tuple[str, torch.Tensor]], hold: bool = False,
     plan, held, _ = _lookup(names, tensors, hold, accept, plain=plain)
     if plan is None:
         return None
-    return Resolved(plan, plain, None, True, held)
+    return Resolved(plan, plain, None, True, held, wrapped=tensors)
 
 
 def resize(resolved: Resolved, release: bool, refusals: Optional[list[str]] = None) -> bool:
@@ -859,6 +907,47 @@ def increment_version(tensors: list[torch.Tensor]) -> None:
         torch.autograd.graph.increment_version(tensors)
 
 
+def _rebound(names: list[str], tensors: list[torch.Tensor], plain: list[torch.Tensor],
+             shard_info: Optional[Callable[[], Optional[str]]]) -> Optional[TargetPlan]:
+    """A plan for tensors that no cached plan is valid for, made from the layout of a recorded plan (cached or
+    retired) under the same names whose tensors laid their storages out the same way, or None (bind them).
+
+    A training loop's gradients are new tensors after every backward, and a state_dict()'s are new detached
+    ones at every call: the target is new, its layout is not. The new tensors are recorded (one C++ pass) and
+    the record compared with the other plan's (the same storage grouping, views, dtypes, sizes and devices);
+    what bind() would check beyond that (distinct names, tensors within their storages) the other plan's
+    layout passed under the same names. The shard layout is asked again."""
+    if _ext is None or not plain:
+        return None
+    n = len(names)
+    with _cache_lock:
+        _prune()
+        candidates = [p for p in itertools.chain(reversed(_cache.values()), reversed(_retired))
+                      if p.record is not None and len(p.names) == n and p.record.num_tensors == len(plain)]
+    like = next((p for p in candidates if p.names is names), None)
+    if like is None:  # (names read again: equal lists, made anew)
+        like = next((p for p in candidates if p.names == names), None)
+    if like is None:
+        return None
+    record = _ext.record(plain)
+    if record is None or not record.same_layout(like.record) or not record.all_sized_have_memory():
+        return None
+    layout = like.layout
+    if shard_info is not None:
+        info = shard_info()
+        if info != layout.shard_info:
+            layout = layout.with_shard_info(info)
+    bound = Bound(layout, None, None, record=record, tensors=plain, first_tensor=like.first_tensor)
+    plan = TargetPlan(names, tensors, bound, plain, like=like)
+    _stats["rebound"] += 1
+    with _cache_lock:
+        _prune()
+        _cache[plan.key] = plan
+        while len(_cache) > _MAX_CACHED:
+            _cache.popitem(last=False)
+    return plan
+
+
 def remember(named: Sequence[tuple[str, torch.Tensor]], bound: Bound,
              shard_info: Optional[Callable[[], Optional[str]]] = None) -> None:
     """Caches the plan of a target whose storages were just (re)allocated (reload), so that the next call
@@ -901,3 +990,4 @@ def cache_info() -> dict[str, int]:
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
+        _retired.clear()

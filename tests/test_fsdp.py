@@ -504,3 +504,32 @@ def _check_fsdp2_record_two_threads(rank: int, world_size: int) -> None:
 
 def test_an_fsdp2_models_record_holds_under_two_threads() -> None:
     run_ranks(_check_fsdp2_record_two_threads, 1)
+
+
+# -- A recorded plain module's shard layout: no FSDP walk while its record holds, FSDP seen once applied ------
+def _check_recorded_module_strategy(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gpu_offload import adapters, torch_ext
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    walked: list[nn.Module] = []
+    contains = fsdp_adapter._contains
+    fsdp_adapter._contains = lambda module, cls: walked.append(module) or contains(module, cls)
+    try:
+        adapters.named_tensors(model)  # (recorded where the helper is loaded)
+        walked.clear()
+        assert adapters.shard_info(model) is None
+        if torch_ext.ext is not None and torch_ext.ext.MODULE_TREE:
+            assert not walked  # (FSDP is imported: its recognizers would walk every submodule)
+        mesh = init_device_mesh("cpu", (world_size,))
+        fully_shard(model[0], mesh=mesh)  # a submodule's class changes: the record no longer holds
+        info = adapters.shard_info(model)
+        assert info is not None and '"fsdp2"' in info, info
+    finally:
+        fsdp_adapter._contains = contains
+
+
+def test_a_recorded_modules_shard_layout_needs_no_fsdp_walk_and_sees_fully_shard() -> None:
+    run_ranks(_check_recorded_module_strategy, 1)

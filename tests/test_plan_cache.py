@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -373,3 +375,124 @@ def test_a_plan_the_helper_did_not_record_is_found_beside_recorded_ones(arena):
     hits = _hits()
     go.snapshot(odd, arena=arena).free()
     assert _hits() == hits + 1
+
+
+# -- New tensors laid out as a cached plan's, under the same names: its layout, their own record -----------------
+def _rebounds() -> int:
+    return plan.cache_info()["rebound"]
+
+
+def _laid_out(seed: float) -> dict[str, torch.Tensor]:
+    # Views sharing a storage, an offset view, a transposed one and a storage of its own each.
+    base = torch.full((12,), seed)
+    return {"w": base[:8].view(2, 4), "tail": base[8:], "t": torch.full((3, 2), seed + 1).t(),
+            "b": torch.full((5,), seed + 2, dtype=torch.float64)}
+
+
+def test_new_tensors_laid_out_as_a_cached_plan_are_served_its_layout_and_move_their_own_bytes(arena, checks):
+    first = _laid_out(1.0)
+    go.snapshot(first, arena=arena).free()
+    second = _laid_out(7.0)  # new objects, the same layout under the same names
+    rebounds = _rebounds()
+    snap = go.snapshot(second, arena=arena)
+    assert _rebounds() == rebounds + (checks == "helper")
+    assert snap.layout == go.storages.bind(go.adapters.named_tensors(second)).layout
+    for name, t in snap.tensors().items():
+        assert torch.equal(t, second[name]), name
+    hits = _hits()
+    go.snapshot(second, arena=arena).free()  # and the next call on them is a hit
+    assert _hits() == hits + 1
+    # Its copies are of the new storages: restore, offload and reload move their bytes, not the first target's.
+    for t in second.values():
+        t.zero_()
+    go.restore(second, snap)
+    go.offload(second, arena=arena)
+    go.reload(second)
+    for name, t in snap.tensors().items():
+        assert torch.equal(second[name], t), name
+    assert all(torch.equal(t, _laid_out(1.0)[n]) for n, t in first.items())  # the first one untouched
+    snap.free()
+
+
+def _changed_layouts() -> list[tuple[str, Any]]:
+    def shape(d):
+        d["b"] = torch.zeros(6, dtype=torch.float64)
+
+    def dtype(d):
+        d["b"] = torch.zeros(5, dtype=torch.float32)
+
+    def stride(d):
+        d["t"] = torch.zeros(2, 3)  # (the same shape, contiguous)
+
+    def offset(d):
+        base = torch.zeros(12)
+        d["w"], d["tail"] = base[4:].view(2, 4), base[:4]
+
+    def grouping(d):
+        d["tail"] = torch.zeros(4)  # a storage of its own
+
+    def storage_size(d):
+        base = torch.zeros(16)  # the same views of a larger storage
+        d["w"], d["tail"] = base[:8].view(2, 4), base[8:12]
+
+    def order(d):
+        d["tail"] = d.pop("tail")  # the same tensors, another order (the names differ)
+        d["b"] = d.pop("b")
+        d["w"] = d.pop("w")
+
+    def renamed(d):
+        d["c"] = d.pop("b")
+
+    return [(f.__name__, f) for f in (shape, dtype, stride, offset, grouping, storage_size, order, renamed)]
+
+
+@pytest.mark.parametrize("name,change", _changed_layouts(), ids=[c[0] for c in _changed_layouts()])
+def test_new_tensors_laid_out_otherwise_are_bound_afresh(arena, name, change):
+    go.snapshot(_laid_out(1.0), arena=arena).free()
+    second = _laid_out(7.0)
+    change(second)
+    rebounds = _rebounds()
+    with go.snapshot(second, arena=arena) as snap:
+        assert _rebounds() == rebounds
+        assert snap.layout == go.storages.bind(go.adapters.named_tensors(second)).layout
+        for n, t in snap.tensors().items():
+            assert torch.equal(t, second[n]), n
+
+
+def test_a_rebound_plan_asks_the_shard_layout_again():
+    if torch_ext.ext is None or plan._ext is None:
+        pytest.skip("the helper's records only")
+    named = [("a", torch.ones(3)), ("b", torch.ones(2))]
+    plan.resolve(named, shard_info=lambda: '{"rank": 0}')
+    again = plan.resolve([("a", torch.ones(3)), ("b", torch.ones(2))], shard_info=lambda: '{"rank": 1}')
+    assert not again.hit and again.layout.shard_info == '{"rank": 1}'
+    assert plan.cache_info()["rebound"] >= 1
+
+
+def test_grads_copied_each_step_are_rebound_and_come_back_with_their_values(arena, checks):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plans = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(3, 4)).sum().backward()  # new gradient tensors
+        opt.step()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        rebounds = _rebounds()
+        go.offload([model, opt], grads="copy", arena=arena)
+        assert _rebounds() == rebounds + (checks == "helper" and step > 0)
+        go.reload([model, opt])
+        for n, p in model.named_parameters():
+            assert torch.equal(p.grad, expected[n]) and torch.equal(p, weights[n]), n
+        plans.append(plan.cache_info()["num_plans"])
+    # The plans of earlier steps' gradients leave the cache as those die (they are never valid again).
+    assert plans[-1] <= plans[1], plans
+
+
+def test_a_plan_whose_last_tensor_died_leaves_the_cache(arena, checks):
+    keep = torch.ones(4)
+    for _ in range(5):
+        go.snapshot({"keep": keep, "new": torch.ones(2)}, arena=arena).free()
+    # One plan: each earlier one's last tensor died (the pure-Python plans watch every tensor).
+    assert plan.cache_info()["num_plans"] == 1

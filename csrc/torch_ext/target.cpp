@@ -312,6 +312,25 @@ py::tuple TargetRecord::tensor_columns() const {
   return py::make_tuple(storage, offsets, shapes, strides, dtypes);
 }
 
+bool TargetRecord::same_layout(const TargetRecord& other) const {
+  if (tensors_.size() != other.tensors_.size() || storages_.size() != other.storages_.size() ||
+      dims_ != other.dims_ || first_tensor_ != other.first_tensor_ || live_ != other.live_) {
+    return false;
+  }
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorFacts &a = tensors_[i], &b = other.tensors_[i];
+    if (a.storage != b.storage || a.dim != b.dim || a.dims_at != b.dims_at || a.offset != b.offset ||
+        a.dtype != b.dtype) {
+      return false;
+    }
+  }
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    const StorageFacts &a = storages_[j], &b = other.storages_[j];
+    if (a.recorded_nbytes != b.recorded_nbytes || a.device != b.device) return false;
+  }
+  return true;
+}
+
 bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(list, nullptr, /*memory=*/false); }
 
 bool TargetRecord::check(py::handle list, bool bump) const {
@@ -523,11 +542,15 @@ void TargetRecord::set_refusals(py::list messages) {
   }
   std::vector<std::string> parked;
   parked.reserve(messages.size());
+  PyObject** items = reinterpret_cast<PyListObject*>(messages.ptr())->ob_item;
   for (size_t k = 0; k < messages.size(); ++k) {
-    if (!PyUnicode_Check(messages[k].ptr())) {
+    if (!PyUnicode_Check(items[k])) {
       throw py::type_error("set_refusals: message " + std::to_string(k) + " is not a str");  // (nothing set)
     }
-    parked.push_back(messages[k].cast<std::string>());
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(items[k], &size);  // (an ASCII str's own bytes)
+    if (utf8 == nullptr) throw py::error_already_set();
+    parked.emplace_back(utf8, static_cast<size_t>(size));
   }
   messages_ = std::move(messages);
   parked_ = std::move(parked);

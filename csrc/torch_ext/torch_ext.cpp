@@ -215,6 +215,10 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("same_views", &TargetRecord::same_views, py::arg("tensors"),
            "check() without the storages' memory and sizes: the same tensors on the same storages, viewing them "
            "the same way.")
+      .def("same_layout", &TargetRecord::same_layout, py::arg("other"),
+           "Whether this record's tensors lay their storages out as `other`'s did when it was made (the same "
+           "storage grouping, views and dtypes, storage sizes and devices): under the same names, the same "
+           "layout. Reads the two records only.")
       .def("check_held", &TargetRecord::check_held, py::arg("tensors"),
            "check(), holding the live storages for resize_live and watch_live: a HeldStorages, or None where "
            "check() answers False.")

@@ -102,6 +102,12 @@ class TargetRecord {
   // check() without the storages' memory and sizes: the same tensor objects on the same storages (StorageImpls),
   // viewing them the same way (shape, strides, offset, dtype), whatever their storages hold now.
   bool same_views(py::handle list) const;
+  // Whether this record's tensors lay their storages out as `other`'s did when it was made: the same number
+  // of tensors, each on the storage of the same index (so the same grouping and first tensors), with the
+  // same offset, shape, strides and dtype; each storage of the same recorded size on the same device. What a
+  // layout is made of besides the names: a record of new tensor objects that answers true has the other's
+  // layout under the same names. Reads the records' facts only (`other`'s tensors and storages may be dead).
+  bool same_layout(const TargetRecord& other) const;
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;

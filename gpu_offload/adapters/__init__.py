@@ -471,9 +471,11 @@ def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> boo
 
 
 def _recorded_strategy(obj: Any) -> Optional[Strategy]:
-    """strategy_of(obj) for a module with DeepSpeed imported whose recorded traversal is still valid, without
-    ZeRO-3's Python walk of every parameter (asked over the recorded ones); None where that does not apply."""
-    if "deepspeed" not in sys.modules or not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
+    """strategy_of(obj) for a module whose recorded traversal is still valid, without the recognizers' Python
+    walks: FSDP's of every submodule (FSDP is imported in any process that stepped an optimizer; the record
+    refused its classes when it was made and sees any module's class change since) and ZeRO-3's of every
+    parameter (asked over the recorded ones). None where that does not apply."""
+    if not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
         return None
     entry = _trees.get(obj)
     tensors = entry[0].tensors(obj) if entry is not None else None
