@@ -320,7 +320,8 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
     records its traversal and keeps the record where it reads the same (names, tensor objects)."""
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
         return None
-    state, _ = fsdp._fsdp2_named(module, include_grads=False)
+    groups: list[Any] = []
+    state, _ = fsdp._fsdp2_named(module, include_grads=False, groups_out=groups)
     refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
     built = _ext.build_module_tree(module, torch.nn.Module, refused)
     if built is None:
@@ -328,7 +329,7 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
     tree, names, tensors, num_params = built
     if names != [n for n, _ in state] or not all(a is b for a, b in zip(tensors, (t for _, t in state))):
         return None
-    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module), {})
+    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module, groups), {})
     return entry
 
 
@@ -474,8 +475,11 @@ def _recorded_strategy(obj: Any) -> Optional[Strategy]:
     """strategy_of(obj) for a module whose recorded traversal is still valid, without the recognizers' Python
     walks: FSDP's of every submodule (FSDP is imported in any process that stepped an optimizer; the record
     refused its classes when it was made and sees any module's class change since) and ZeRO-3's of every
-    parameter (asked over the recorded ones). None where that does not apply."""
+    parameter (asked over the recorded ones). None where that does not apply, or where neither is imported
+    (the recognizers then ask the classes alone, cheaper than the record's check)."""
     if not isinstance(obj, torch.nn.Module) or _ext is None or not _ext.MODULE_TREE:
+        return None
+    if "deepspeed" not in sys.modules and not fsdp._fsdp_loaded():
         return None
     entry = _trees.get(obj)
     tensors = entry[0].tensors(obj) if entry is not None else None

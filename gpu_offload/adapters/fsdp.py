@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -250,9 +250,14 @@ def _fsdp1_named(module: nn.Module, *, include_grads: bool,
 def _fsdp2_groups(module: nn.Module, paths: dict[int, str] | None = None) -> Iterator[tuple[str, nn.Module, Any]]:
     """Yield (module path, FSDPModule, FSDPParamGroup) for every ``fully_shard`` module in ``module``.
     paths: filled with every module's path by id (the same walk), where given."""
+    return _groups_of(module.named_modules(), paths)
+
+
+def _groups_of(named_modules: Iterable[tuple[str, nn.Module]],
+               paths: dict[int, str] | None) -> Iterator[tuple[str, nn.Module, Any]]:
     cls = _fsdp2_class()
     seen: set[int] = set()
-    for name, m in module.named_modules():
+    for name, m in named_modules:
         if paths is not None:
             paths[id(m)] = name
         if cls is None or not isinstance(m, cls):
@@ -269,19 +274,35 @@ def _fsdp2_groups(module: nn.Module, paths: dict[int, str] | None = None) -> Ite
                 yield name, m, g  # type: ignore[misc]
 
 
+def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None
+                ) -> tuple[list[nn.Module], list[tuple[str, nn.Module, Any]]]:
+    """_one_of_each_class(module) and list(_fsdp2_groups(module, paths)) in one walk of the modules (a walk in
+    Python costs about 2 us a module: a 65536-expert model's first call made seven)."""
+    kinds: dict[type, nn.Module] = {}
+
+    def walk() -> Iterator[tuple[str, nn.Module]]:
+        for name, m in module.named_modules():
+            kinds[type(m)] = m
+            yield name, m
+
+    groups = list(_groups_of(walk(), paths))
+    return list(kinds.values()), groups
+
+
 def is_fsdp2_root(module: nn.Module) -> bool:
     """Whether the module itself was passed to ``fully_shard`` (FSDP2), asked of its class alone."""
     cls = _fsdp2_class()
     return cls is not None and isinstance(module, cls)
 
 
-def group_refs(module: nn.Module) -> list[tuple[str, Any, Any]]:
+def group_refs(module: nn.Module, groups: list[tuple[str, nn.Module, Any]] | None = None) -> list[tuple[str, Any, Any]]:
     """(path, weak reference to the FSDPModule, weak reference to the FSDPParamGroup) of every group in
     ``module``: what a recorded traversal keeps (a group references its modules, which a strong reference
-    from the record would keep alive)."""
+    from the record would keep alive). groups: list(_fsdp2_groups(module)), where the caller just walked it."""
     import weakref
 
-    return [(path, weakref.ref(m), weakref.ref(g)) for path, m, g in _fsdp2_groups(module)]
+    found = groups if groups is not None else _fsdp2_groups(module)
+    return [(path, weakref.ref(m), weakref.ref(g)) for path, m, g in found]
 
 
 def live_groups(refs: list[tuple[str, Any, Any]]) -> list[tuple[str, nn.Module, Any]] | None:
@@ -338,15 +359,19 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
     return state + grads
 
 
-def _fsdp2_named(module: nn.Module, *, include_grads: bool,
-                 reshard: bool = True) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below).
-    kinds = _one_of_each_class(module)
+def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True,
+                 groups_out: list[tuple[str, nn.Module, Any]] | None = None
+                 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below). groups_out: given the groups
+    # (_fsdp2_groups') found by the walk.
+    kinds, groups = _fsdp2_scan(module)
     if not _has(kinds, _fsdp2_class()):
         raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
     _reject_other_wrappers(module, "fsdp2", kinds)
+    if groups_out is not None:
+        groups_out.extend(groups)
     by_param: dict[int, Any] = {}
-    for path, m, group in _fsdp2_groups(module):
+    for path, m, group in groups:
         # Always, reads too: while a group is unsharded its registered parameters are the unsharded
         # tensors, so the shards could not be named the same way as for a write.
         _fsdp2_ensure_sharded(path, m, group)
@@ -399,7 +424,9 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
     Two snapshots restore into each other only when these dicts are equal; no collective is run.
     """
     info: dict[str, Any]
-    kinds = _one_of_each_class(module)  # (one walk answers both: which wrappers, by class)
+    # (One walk answers which wrappers, by class, and, for FSDP2, every module's path and the groups.)
+    paths: dict[int, str] = {}
+    kinds, groups = _fsdp2_scan(module, paths)
     fsdp1, fsdp2 = _has(kinds, _fsdp1_class()), _has(kinds, _fsdp2_class())
     if fsdp1 and not fsdp2:
         units: dict[str, Any] = {}
@@ -420,9 +447,8 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
         world, rank = 1, 0
         # Named through the owning module rather than named_parameters(): that would show an unsharded
         # root's plain tensors, and this function must not reshard (it only reads). The groups are all found
-        # (the walk fills `paths`) before the first is read.
-        paths: dict[int, str] = {}
-        for _, _, group in list(_fsdp2_groups(module, paths)):
+        # (the walk filled `paths`) before the first is read.
+        for _, _, group in groups:
             for fp in group.fsdp_params:
                 info_ = fp._module_info
                 path = paths.get(id(info_.module), "?")
