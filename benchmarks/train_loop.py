@@ -46,7 +46,7 @@ def _cycles(model: torch.nn.Module, opt: torch.optim.Optimizer, call: Callable[[
         times.append((time.perf_counter() - t0) * 1e3)
         after = plan.cache_info()
         misses.append(after["misses"] - before["misses"])
-        rebound.append(after["rebound"] - before["rebound"])
+        rebound.append(after.get("rebound", 0) - before.get("rebound", 0))  # (0: a version without it)
         opt.zero_grad(set_to_none=not drop)  # (dropped gradients come back zeroed, in place)
     steady = statistics.median(times[1:]) if len(times) > 1 else times[0]
     return {"first_ms": times[0], "median_ms": steady, "all_ms": times, "plan_misses": misses,

@@ -940,11 +940,7 @@ def _rebound(names: list[str], tensors: list[torch.Tensor], plain: list[torch.Te
     bound = Bound(layout, None, None, record=record, tensors=plain, first_tensor=like.first_tensor)
     plan = TargetPlan(names, tensors, bound, plain, like=like)
     _stats["rebound"] += 1
-    with _cache_lock:
-        _prune()
-        _cache[plan.key] = plan
-        while len(_cache) > _MAX_CACHED:
-            _cache.popitem(last=False)
+    _cache_plan(plan)
     return plan
 
 
@@ -973,16 +969,21 @@ def _new_plan(names: list[str], tensors: list[torch.Tensor], bound: Bound,
     if (cache and at_addresses
             and (plan.record is not None or list(map(torch.UntypedStorage.nbytes, bound.storages)) == layout_nbytes)
             and extent_problem(bound.layout) is None):
-        with _cache_lock:
-            _prune()
-            _cache[plan.key] = plan
-            while len(_cache) > _MAX_CACHED:
-                _cache.popitem(last=False)
+        _cache_plan(plan)
     return plan
 
 
+def _cache_plan(plan: TargetPlan) -> None:
+    with _cache_lock:
+        _prune()
+        _cache[plan.key] = plan
+        while len(_cache) > _MAX_CACHED:
+            _cache.popitem(last=False)
+
+
 def cache_info() -> dict[str, int]:
-    """Plans cached, and cache hits and misses since the start."""
+    """Plans cached, and cache hits and misses since the start (of the misses, `rebound`: served a cached
+    plan's layout, see _rebound)."""
     with _cache_lock:
         return {"num_plans": len(_cache), **_stats}
 
