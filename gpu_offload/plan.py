@@ -340,6 +340,8 @@ class TargetPlan:
         # A plan of gradients: the registry set of an offload(grads="drop") that released them through it,
         # until the reload that grows them again (api).
         self.dropped: Any = None
+        # Made by _rebound() for new tensor objects on the storages of the plan it took the layout of.
+        self.alias = False
 
     def dtensor_specs(self, wrapped: list[torch.Tensor]) -> dict[str, Any]:
         """Each DTensor's spec by name, read once (`wrapped`: the plan's tensors as the target gives them, the very
@@ -940,6 +942,15 @@ def _rebound(names: list[str], tensors: list[torch.Tensor], plain: list[torch.Te
     bound = Bound(layout, None, None, record=record, tensors=plain, first_tensor=like.first_tensor)
     plan = TargetPlan(names, tensors, bound, plain, like=like)
     _stats["rebound"] += 1
+    # New tensor objects on the very storages of the other plan: a state_dict()'s detached tensors, of the
+    # module (whose own plan that is) or of the last state_dict() (whose tensors are dead now). The plan of
+    # the last one is replaced in the cache, which would otherwise fill with plans that are never valid
+    # again, each as large as the target; the module's own plan, and one in use by an offload or a drop, stay.
+    plan.alias = record.same_storages(like.record)
+    replaces = like.alias and plan.alias and like.offloaded is None and like.dropped is None and not like.released
+    with _cache_lock:
+        if replaces and _cache.get(like.key) is like:
+            del _cache[like.key]
     _cache_plan(plan)
     return plan
 

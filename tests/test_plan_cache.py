@@ -496,3 +496,49 @@ def test_a_plan_whose_last_tensor_died_leaves_the_cache(arena, checks):
         go.snapshot({"keep": keep, "new": torch.ones(2)}, arena=arena).free()
     # One plan: each earlier one's last tensor died (the pure-Python plans watch every tensor).
     assert plan.cache_info()["num_plans"] == 1
+
+
+def test_a_state_dicts_new_tensors_each_call_are_served_the_layout_of_the_last(arena, checks):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    go.snapshot(model.state_dict(), arena=arena).free()
+    rebounds = _rebounds()
+    state = model.state_dict()  # new detached tensors, names in a new list
+    with go.snapshot(state, arena=arena) as snap:
+        assert _rebounds() == rebounds + (checks == "helper")
+        for name, t in snap.tensors().items():
+            assert torch.equal(t, state[name]), name
+
+
+def test_twin_models_one_served_the_others_layout_keep_their_own_bytes(arena, checks):
+    # v1 and v2 of a policy: the same names and layout, other tensors. The second's plan takes the first's
+    # layout; each snapshot, restore and offload moves its own model's bytes.
+    torch.manual_seed(0)
+    v1, v2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    go.snapshot(v1, arena=arena).free()
+    rebounds = _rebounds()
+    s2 = go.snapshot(v2, arena=arena)
+    assert _rebounds() == rebounds + (checks == "helper")
+    s1 = go.snapshot(v1, arena=arena)
+    hits = _hits()
+    go.restore(v1, s2)  # v1 takes v2's weights, through v1's own plan
+    assert _hits() == hits + 1
+    assert torch.equal(v1.weight, v2.weight) and torch.equal(v1.bias, v2.bias)
+    go.restore(v1, s1)
+    go.offload(v2, arena=arena)
+    assert v1.weight.untyped_storage().nbytes() > 0  # (only v2 was released)
+    go.reload(v2)
+    assert torch.equal(v2.weight, s2.tensors()["weight"]) and torch.equal(v1.weight, s1.tensors()["weight"])
+    s1.free()
+    s2.free()
+
+
+def test_state_dicts_taken_again_and_again_leave_one_plan_in_the_cache(arena, checks):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    go.snapshot(model, arena=arena).free()  # the model's own plan stays beside them
+    for _ in range(6):
+        go.snapshot(model.state_dict(), arena=arena).free()
+    if checks == "helper":  # (the pure-Python plans watch every tensor: theirs leave as the tensors die)
+        assert plan.cache_info()["num_plans"] == 2
+    hits = _hits()
+    go.snapshot(model, arena=arena).free()
+    assert _hits() == hits + 1

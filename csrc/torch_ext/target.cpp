@@ -331,6 +331,14 @@ bool TargetRecord::same_layout(const TargetRecord& other) const {
   return true;
 }
 
+bool TargetRecord::same_storages(const TargetRecord& other) const {
+  if (storages_.size() != other.storages_.size()) return false;
+  for (size_t j = 0; j < storages_.size(); ++j) {
+    if (storages_[j].impl != other.storages_[j].impl) return false;
+  }
+  return true;
+}
+
 bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(list, nullptr, /*memory=*/false); }
 
 bool TargetRecord::check(py::handle list, bool bump) const {

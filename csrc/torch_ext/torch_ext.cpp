@@ -219,6 +219,8 @@ PYBIND11_MODULE(_torch_ext, m) {
            "Whether this record's tensors lay their storages out as `other`'s did when it was made (the same "
            "storage grouping, views and dtypes, storage sizes and devices): under the same names, the same "
            "layout. Reads the two records only.")
+      .def("same_storages", &TargetRecord::same_storages, py::arg("other"),
+           "Whether the two records were made of the same storages, in order (reads the two records only).")
       .def("check_held", &TargetRecord::check_held, py::arg("tensors"),
            "check(), holding the live storages for resize_live and watch_live: a HeldStorages, or None where "
            "check() answers False.")

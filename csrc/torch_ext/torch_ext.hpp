@@ -108,6 +108,10 @@ class TargetRecord {
   // layout is made of besides the names: a record of new tensor objects that answers true has the other's
   // layout under the same names. Reads the records' facts only (`other`'s tensors and storages may be dead).
   bool same_layout(const TargetRecord& other) const;
+  // Whether the two records were made of the same storages (StorageImpl addresses), in order: new tensor
+  // objects viewing the storages another record's tensors viewed (a state_dict()'s detached ones). `other`'s
+  // storages may be dead: an address then matches only if it was reused.
+  bool same_storages(const TargetRecord& other) const;
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;
