@@ -445,7 +445,7 @@ def _drop_refusal(name: str) -> str:
 
 
 # The last names list each kind of message was made for, with its messages: plans of one layout share their
-# live storages' names list (plan.rebound), so the plan of a target's next gradients finds its messages made.
+# live storages' names list (plan._rebound), so the plan of a target's next gradients finds its messages made.
 _last_messages: dict[Any, tuple[Sequence[str], list[str]]] = {}
 
 
