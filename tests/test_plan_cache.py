@@ -542,3 +542,25 @@ def test_state_dicts_taken_again_and_again_leave_one_plan_in_the_cache(arena, ch
     hits = _hits()
     go.snapshot(model, arena=arena).free()
     assert _hits() == hits + 1
+
+
+def test_an_object_that_only_claims_to_be_a_tensor_is_refused_not_unpacked(arena, checks):
+    # A mock with a spec passes isinstance(x, torch.Tensor) through its __class__, and torch's
+    # THPVariable_Check with it: unpacked as a tensor, it was read as one (bump_versions crashed the process).
+    # The helper's passes ask the type itself, and so does the Python check.
+    import unittest.mock
+
+    fake = unittest.mock.MagicMock(spec=torch.Tensor)
+    assert isinstance(fake, torch.Tensor)
+    with pytest.raises(go.OffloadError, match="fake: expected a tensor, got MagicMock"):
+        go.snapshot({"real": torch.ones(2), "fake": fake}, arena=arena)
+    model = torch.nn.Linear(2, 2)
+    model._parameters["fake"] = fake
+    with pytest.raises(go.OffloadError, match="expected a tensor"):
+        go.snapshot(model, arena=arena)
+    ext = torch_ext.ext
+    if checks == "helper":
+        assert ext.local_tensors([torch.ones(1), fake]) is None
+        assert ext.data_ptrs_or_zero([fake]) is None
+        with pytest.raises(TypeError, match="expected tensors"):
+            ext.bump_versions([fake])

@@ -362,7 +362,7 @@ class Builder {
     PyObject *name, *value;
     while (PyDict_Next(dict, &pos, &name, &value)) {
       if (value == Py_None) continue;
-      if (!PyUnicode_CheckExact(name) || !THPVariable_Check(value)) return false;
+      if (!PyUnicode_CheckExact(name) || !is_tensor(value)) return false;
       names.push_back(join_prefix(prefix, name));
       values.push_back(py::reinterpret_borrow<py::object>(value));
     }
@@ -508,15 +508,23 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   const size_t n = tree.tensors.size(), num_params = tree.num_params;
   std::vector<int32_t> grads_of;
   std::vector<py::object> grads;
-  // Memory-bound: each parameter's object, then its TensorImpl, asked for ahead.
+  // Memory-bound, a chain of three objects per parameter: its Python object, its TensorImpl, the TensorImpl's
+  // autograd meta (which holds the grad). Each is asked for ahead, the next further ahead than the one it
+  // is reached from: for parameters whose TensorImpls lie scattered (FSDP2's DTensors) the grad read was
+  // two full misses each (22 ms for 65536).
   constexpr size_t kAhead = 8;
   for (size_t i = 0; i < num_params; ++i) {
-    if (i + 2 * kAhead < num_params) __builtin_prefetch(tree.tensors[i + 2 * kAhead]);
-    if (i + kAhead < num_params && THPVariable_Check(tree.tensors[i + kAhead])) {
-      __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + kAhead]).unsafeGetTensorImpl());
+    if (i + 3 * kAhead < num_params) __builtin_prefetch(tree.tensors[i + 3 * kAhead]);
+    if (i + 2 * kAhead < num_params && is_tensor(tree.tensors[i + 2 * kAhead])) {
+      __builtin_prefetch(THPVariable_Unpack(tree.tensors[i + 2 * kAhead]).unsafeGetTensorImpl());
+    }
+    if (i + kAhead < num_params && is_tensor(tree.tensors[i + kAhead])) {
+      const c10::AutogradMetaInterface* meta =
+          THPVariable_Unpack(tree.tensors[i + kAhead]).unsafeGetTensorImpl()->autograd_meta();
+      if (meta != nullptr) __builtin_prefetch(meta);
     }
     PyObject* p = tree.tensors[i];
-    if (!THPVariable_Check(p)) return py::none();  // (cannot be: the unchanged dicts hold what was recorded)
+    if (!is_tensor(p)) return py::none();  // (cannot be: the unchanged dicts hold what was recorded)
     // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
     const at::Tensor& grad = THPVariable_Unpack(p).unsafeGetTensorImpl()->grad();
     if (!grad.defined()) continue;

@@ -239,7 +239,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
       std::sort(keys.begin(), keys.end(), [](PyObject* a, PyObject* b) { return PyUnicode_Compare(a, b) < 0; });
       for (PyObject* k2 : keys) {
         PyObject* v = item_of(st, k2);
-        if (v == nullptr || !THPVariable_Check(v)) continue;
+        if (v == nullptr || !is_tensor(v)) continue;
         PyObject* name = state_name(index, k2);
         names_out.append(py::reinterpret_steal<py::object>(name));
         tensors_out.append(py::handle(v));

@@ -145,7 +145,7 @@ inline void prefetch_whole(const void* p) {
 template <int kWrite = 0>
 inline c10::TensorImpl* prefetch_tensor(PyObject* far, PyObject* near) {
   if (far != nullptr) __builtin_prefetch(far);
-  if (near == nullptr || !THPVariable_Check(near)) return nullptr;
+  if (near == nullptr || !is_tensor(near)) return nullptr;
   c10::TensorImpl* impl = THPVariable_Unpack(near).unsafeGetTensorImpl();
   __builtin_prefetch(impl, kWrite);
   return impl;
@@ -892,7 +892,7 @@ py::object plain_items(py::handle mapping, py::handle names) {
 void bump_versions(py::handle list) {
   Items items = items_of(list);
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    if (!THPVariable_Check(items.data[i])) throw py::type_error("bump_versions: expected tensors");
+    if (!is_tensor(items.data[i])) throw py::type_error("bump_versions: expected tensors");
   }
   for (Py_ssize_t i = 0; i < items.size; ++i) {
     prefetch_tensor</*kWrite=*/1>(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
@@ -927,7 +927,7 @@ py::object local_tensors(py::handle list) {
   for (Py_ssize_t i = 0; i < items.size; ++i) {
     PyObject* obj = items.data[i];
     if (!plain_tensor(obj)) {
-      if (!THPVariable_Check(obj)) return py::none();
+      if (!is_tensor(obj)) return py::none();
       if (Py_TYPE(obj) != known) {
         known = Py_TYPE(obj);
         offset = local_tensor_slot(known);
@@ -987,10 +987,10 @@ bool any_grad(py::handle list, Py_ssize_t count) {
   // One stage further ahead than the other passes: the autograd meta is a third object per tensor.
   for (Py_ssize_t i = 0; i < count; ++i) {
     prefetch_tensor(item_or_null(first, i + 3 * kAhead), item_or_null(first, i + 2 * kAhead));
-    if (i + kAhead < count && THPVariable_Check(items.data[i + kAhead])) {
+    if (i + kAhead < count && is_tensor(items.data[i + kAhead])) {
       __builtin_prefetch(THPVariable_Unpack(items.data[i + kAhead]).unsafeGetTensorImpl()->autograd_meta());
     }
-    if (!THPVariable_Check(items.data[i])) return true;  // not for us to decide: the caller's general path
+    if (!is_tensor(items.data[i])) return true;  // not for us to decide: the caller's general path
     // TensorImpl::grad(), not Tensor::grad(): the same tensor, without the non-leaf warning.
     if (THPVariable_Unpack(items.data[i]).unsafeGetTensorImpl()->grad().defined()) return true;
   }

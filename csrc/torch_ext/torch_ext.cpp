@@ -34,7 +34,7 @@ namespace gpu_offload::torch_ext {
 c10::StorageImpl* storage_of(PyObject* item) {
   // A tensor (its storage), an UntypedStorage, or a storage's _cdata (the StorageImpl address: trusted,
   // the caller holds the storage). Tensors and storages are checked, so a wrong object is a TypeError.
-  if (THPVariable_Check(item)) {
+  if (is_tensor(item)) {
     const at::Tensor& t = THPVariable_Unpack(item);
     if (!t.unsafeGetTensorImpl()->has_storage()) {
       throw py::type_error("a tensor without storage (sparse, nested, a wrapper subclass?)");

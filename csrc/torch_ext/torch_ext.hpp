@@ -8,6 +8,7 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 #include <c10/util/typeid.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -42,6 +43,17 @@ inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObjec
 #pragma GCC diagnostic pop
 #endif
 #endif
+
+// THPVariable_Check without PyObject_IsInstance for a subclass's object: torch's check asks the metaclass's
+// __instancecheck__ for anything but a plain Tensor or Parameter, a generic call that costs hundreds of ns (a
+// DTensor's: the per-parameter passes over FSDP2 models spent most of their time in it). Decided by the
+// type's MRO alone: an object whose type derives from torch.Tensor is a THPVariable; one that only claims
+// to be a tensor through __instancecheck__ is not, and is refused, as unpacking it must be.
+inline bool is_tensor(PyObject* obj) {
+  return THPVariable_CheckExact(obj) ||
+         (THPVariableClass != nullptr &&
+          PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass)));
+}
 
 // The StorageImpl behind a tensor, an UntypedStorage or a storage's _cdata (see torch_ext.cpp).
 c10::StorageImpl* storage_of(PyObject* item);
