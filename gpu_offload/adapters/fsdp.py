@@ -325,12 +325,16 @@ def unsharded_grads_pending(groups: list[tuple[str, nn.Module, Any]]) -> bool:
     pass over the FSDPParams per attribute (a C++ pass measured no faster, a call per parameter 1.7x slower)."""
     for _, _, group in groups:
         params = group.fsdp_params
-        # (getattr with a default, as _fsdp2_named reads it: a torch without the attribute has none.)
-        if [getattr(fp, "unsharded_accumulated_grad", None) for fp in params].count(None) != len(params):
+        try:  # (the attribute read directly, a fifth cheaper than getattr with a default)
+            accumulated = [fp.unsharded_accumulated_grad for fp in params]
+        except AttributeError:  # (as _fsdp2_named reads it: a torch without the attribute has none)
+            accumulated = [getattr(fp, "unsharded_accumulated_grad", None) for fp in params]
+        if accumulated.count(None) != len(params):
             return True
-        unsharded = [fp.__dict__.get("_unsharded_param") for fp in params]
-        if any(u.grad is not None for u in unsharded if u is not None):
-            return True
+        for fp in params:
+            unsharded = fp.__dict__.get("_unsharded_param")
+            if unsharded is not None and unsharded.grad is not None:
+                return True
     return False
 
 
