@@ -322,7 +322,7 @@ def _drop_through_plan(resolved: _plan.Resolved) -> _registry.OffloadedSet:
                                      watch=watch)
     _registry.add(dropped)
     if plan.refusals is None:
-        plan.refusals = _registry.drop_refusals(names)
+        plan.refusals = plan.messages("drop", _registry.drop_refusals)
     if not _plan.resize(resolved, release=True, refusals=plan.refusals):
         _registry.refuse(keys, names, plan.refusals)
     plan.dropped = dropped
@@ -455,7 +455,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             # own pass where the helper resizes, else one C++ call by key: the target's tensors hold them),
             # the target's modules and optimizers raise OffloadError when used.
             if plan.refusals is None:
-                plan.refusals = _registry.refusals(names)
+                plan.refusals = plan.messages("offload", _registry.refusals)
             # The plan follows the target as it is now (released), and the reload goes through it.
             refused = _plan.resize(resolved, release=True, refusals=plan.refusals)
             plan.offloaded = offloaded

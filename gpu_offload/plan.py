@@ -325,9 +325,12 @@ class TargetPlan:
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = _fork.new_lock()
         self._live_columns: Optional[tuple[list[int], list[int], list[Any], list[int], list[str]]] = None
-        # Their sizes, devices, host offsets and names alone (the layout's: shared by plans of one layout).
+        # Their sizes, devices, host offsets and names alone, and the refusal messages made for them by kind
+        # (the layout's: shared by plans of one layout, see _rebound).
+        same = like is not None and like.layout is bound.layout
         self._live_layout: Optional[tuple[list[int], list[Any], list[int], list[str]]] = (
-            like._live_layout if like is not None and like.layout is bound.layout else None)
+            like._live_layout if same else None)
+        self._layout_messages: dict[str, list[str]] = like._layout_messages if same else {}
         # The registry's OffloadedSet while an offload through this plan has released its storages (reload
         # then goes through it), and the registry generation this plan was last found clear of (api).
         self._offloaded: Any = None
@@ -367,6 +370,14 @@ class TargetPlan:
                                      list(pick(names)))
             self._live_columns = (list(pick(keys)), *self._live_layout)
         return self._live_columns
+
+    def messages(self, kind: str, make: Callable[[list[str]], list[str]]) -> list[str]:
+        """The refusal messages of one kind for the live storages, make(names) of their names, made once for
+        all plans of this layout (a target's next gradients find them made). Shared: never to be changed."""
+        found = self._layout_messages.get(kind)
+        if found is None:
+            found = self._layout_messages[kind] = make(self.live_columns()[4])
+        return found
 
     def all_resizable(self, resolved: "Resolved") -> Optional[str]:
         """None when every storage holding memory is resizable, else the name of the first that is not."""

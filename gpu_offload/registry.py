@@ -27,7 +27,7 @@ import collections
 import functools
 import itertools
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, cast
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import torch
 
@@ -444,29 +444,14 @@ def _drop_refusal(name: str) -> str:
             "gpu_offload.reload() of its model brings it back zeroed")
 
 
-# The last names list each kind of message was made for, with its messages: plans of one layout share their
-# live storages' names list (plan._rebound), so the plan of a target's next gradients finds its messages made.
-_last_messages: dict[Any, tuple[Sequence[str], list[str]]] = {}
-
-
-def _messages(make: Callable[[str], str], names: Sequence[str]) -> list[str]:
-    last = _last_messages.get(make)  # (one read: another thread may replace the pair whole)
-    if last is not None and last[0] is names:
-        return last[1]
-    messages = list(map(make, names))
-    _last_messages[make] = (names, messages)
-    return messages
-
-
 def drop_refusals(names: Sequence[str]) -> list[str]:
-    """The messages dropped gradients' storages refuse access with (shared: never to be changed)."""
-    return _messages(_drop_refusal, names)
+    """The messages dropped gradients' storages refuse access with."""
+    return list(map(_drop_refusal, names))
 
 
 def refusals(names: Sequence[str]) -> list[str]:
-    """The messages refuse() gives the storages of these tensors (a plan keeps its own: see api; shared:
-    never to be changed)."""
-    return _messages(_refusal, names)
+    """The messages refuse() gives the storages of these tensors (a plan keeps its own: see api)."""
+    return list(map(_refusal, names))
 
 
 def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[list[str]] = None) -> None:

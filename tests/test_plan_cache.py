@@ -564,3 +564,30 @@ def test_an_object_that_only_claims_to_be_a_tensor_is_refused_not_unpacked(arena
         assert ext.data_ptrs_or_zero([fake]) is None
         with pytest.raises(TypeError, match="expected tensors"):
             ext.bump_versions([fake])
+
+
+def test_plans_of_one_layout_share_their_refusal_messages_and_nothing_keeps_them_after(arena, checks):
+    import gc
+    import weakref
+
+    if checks != "helper":
+        pytest.skip("the helper's records only")
+    first, second = _laid_out(1.0), _laid_out(2.0)
+    go.offload(first, arena=arena)
+    go.offload(second, arena=arena)  # (its plan takes the first's layout)
+    a = plan.cached(go.adapters.named_tensors(first)).plan
+    b = plan.cached(go.adapters.named_tensors(second)).plan
+    assert a.layout is b.layout and a.refusals is b.refusals and "is offloaded" in a.refusals[0]
+    go.reload(first)
+    go.reload(second)
+
+    class Probe(list):  # (a list that can be weakly referenced: the messages' owner must not outlive the plans)
+        pass
+
+    probe = Probe(a.refusals)
+    a._layout_messages["probe"] = probe
+    ref = weakref.ref(probe)
+    del probe, a, b, first, second
+    plan.clear_cache()
+    gc.collect()
+    assert ref() is None
