@@ -299,7 +299,8 @@ class TargetPlan:
                 first.setdefault(storage, i)
             self.first_tensor = [first[i] for i in range(bound.layout.num_storages)]
         # The storages that hold memory (an offload releases these), and the copies' device groups.
-        if like is not None and like.layout is bound.layout:
+        same = like is not None and like.layout is bound.layout  # (what depends on the layout alone is shared)
+        if same:
             self.live, self._groups = like.live, like._groups
         else:
             self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
@@ -327,7 +328,6 @@ class TargetPlan:
         self._live_columns: Optional[tuple[list[int], list[int], list[Any], list[int], list[str]]] = None
         # Their sizes, devices, host offsets and names alone, and the refusal messages made for them by kind
         # (the layout's: shared by plans of one layout, see _rebound).
-        same = like is not None and like.layout is bound.layout
         self._live_layout: Optional[tuple[list[int], list[Any], list[int], list[str]]] = (
             like._live_layout if same else None)
         self._layout_messages: dict[str, list[str]] = like._layout_messages if same else {}
@@ -566,7 +566,8 @@ class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
     def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
-                 hit: bool, held: Any = None, bumped: bool = False, wrapped: Optional[list[torch.Tensor]] = None) -> None:
+                 hit: bool, held: Any = None, bumped: bool = False,
+                 wrapped: Optional[list[torch.Tensor]] = None) -> None:
         self.plan = plan
         self.tensors = tensors  # (plain: a DTensor's local tensor)
         self.wrapped = wrapped if wrapped is not None else tensors  # (as the target gives them)
@@ -745,7 +746,7 @@ def _prune() -> None:
         if plan is not None and _cache.get(key) is plan:
             _cache.pop(key, None)
             if plan.record is not None:
-                _retired.append(plan)  # (its layout may serve the target's next tensors: rebound())
+                _retired.append(plan)  # (its layout may serve the target's next tensors: _rebound())
 
 
 # The last few recorded plans pruned because a tensor of theirs died (a target's gradients after the next
@@ -936,7 +937,7 @@ def _rebound(names: list[str], tensors: list[torch.Tensor], plain: list[torch.Te
     with _cache_lock:
         _prune()
         candidates = [p for p in itertools.chain(reversed(_cache.values()), reversed(_retired))
-                      if p.record is not None and len(p.names) == n and p.record.num_tensors == len(plain)]
+                      if p.record is not None and len(p.names) == n]  # (a record is of all its plan's tensors)
     like = next((p for p in candidates if p.names is names), None)
     if like is None:  # (names read again: equal lists, made anew)
         like = next((p for p in candidates if p.names == names), None)

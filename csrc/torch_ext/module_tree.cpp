@@ -510,8 +510,7 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   std::vector<py::object> grads;
   // Memory-bound, a chain of three objects per parameter: its Python object, its TensorImpl, the TensorImpl's
   // autograd meta (which holds the grad). Each is asked for ahead, the next further ahead than the one it
-  // is reached from: for parameters whose TensorImpls lie scattered (FSDP2's DTensors) the grad read was
-  // two full misses each (22 ms for 65536).
+  // is reached from, as any_grad does (65536 parameters with grads: about 6.5 -> 4.5 ms).
   constexpr size_t kAhead = 8;
   for (size_t i = 0; i < num_params; ++i) {
     if (i + 3 * kAhead < num_params) __builtin_prefetch(tree.tensors[i + 3 * kAhead]);
