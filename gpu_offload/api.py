@@ -25,7 +25,7 @@ from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
-from .storages import PLAIN_TENSOR_TYPES, bind, check_tensor, extent_problem, match, unwrap
+from .storages import UNREGROWABLE, PLAIN_TENSOR_TYPES, bind, check_tensor, extent_problem, match, regrowable, unwrap
 
 logger = logging.getLogger("gpu_offload")
 
@@ -285,9 +285,8 @@ def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
         if key in state or key in seen or key in _registry.entries or storage.nbytes() == 0:
             continue
         seen.add(key)
-        if not storage.resizable():
-            raise OffloadError(f"cannot drop {name}: its storage is not resizable "
-                               "(memory borrowed from numpy, DLPack or a file?)")
+        if not regrowable(storage):
+            raise OffloadError(f"cannot drop {name}: its storage cannot be released and re-allocated {UNREGROWABLE}")
         out.append((key, storage, name))
     return out
 
@@ -411,8 +410,8 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
         plan, layout = resolved.plan, resolved.layout
         stuck = plan.all_resizable(resolved)
         if stuck is not None:
-            raise OffloadError(f"cannot offload {stuck}: its storage is not resizable "
-                               "(memory borrowed from numpy, DLPack or a file?)")
+            raise OffloadError(f"cannot offload {stuck}: its storage cannot be released and re-allocated "
+                               f"{UNREGROWABLE}")
         live = plan.live
         grads = gradient_tensors(target) if policy == "drop" else None
         # Gradients to release: through a plan of their own (one C++ pass) where all of its storages go,

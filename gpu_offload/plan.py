@@ -29,7 +29,7 @@ from ._errors import OffloadError
 from ._ext import _C
 from .arena import _env_int
 from .storages import (PLAIN_TENSOR_TYPES, Bound, Layout, bind_lists, device_index, extent_problem, index_device,
-                       unwrap)
+                       regrowable, unwrap)
 from .storages import split_named as _split
 
 _MAX_CACHED = 32
@@ -385,7 +385,7 @@ class TargetPlan:
             return None
         storages = resolved.storages()
         for i in self.live:
-            if not storages[i].resizable():
+            if not regrowable(storages[i]):
                 return self.layout.storage_columns[0][i]
         return None
 

@@ -235,6 +235,16 @@ class Bound:
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
+def regrowable(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage can be released and allocated again (offload's `resize_(0)`, then reload's): resizable,
+    and not a CPU storage in shared memory (`share_memory_()`, a tensor from another process), which torch
+    calls resizable but leaves with no allocator to grow it back from."""
+    return storage.resizable() and not (storage.device.type == "cpu" and storage.is_shared())
+
+
+UNREGROWABLE = "(memory borrowed from numpy, DLPack, a file or shared memory?)"
+
+
 def unwrap(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding a wrapper's data: a DTensor's local shard, a Parameter's data."""
     local = getattr(t, "_local_tensor", None)

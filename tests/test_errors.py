@@ -164,8 +164,28 @@ def test_storage_that_cannot_be_resized_is_refused_before_anything_moves(arena):
     borrowed = torch.from_numpy(np.arange(16, dtype=np.float32))
     owned = torch.ones(4)
     state = {"owned": owned, "borrowed": borrowed}
-    with pytest.raises(go.OffloadError, match="not resizable"):
+    with pytest.raises(go.OffloadError, match="borrowed: its storage cannot be released and re-allocated"):
         go.offload(state, arena=arena)
+    assert owned.untyped_storage().nbytes() == 16 and arena.used_bytes == 0
+
+
+def test_a_tensor_in_shared_memory_is_refused_before_anything_moves(arena):
+    # share_memory_() leaves a storage torch calls resizable, with no allocator: growing it back from 0
+    # bytes would crash the process in torch's resize.
+    owned, shared = torch.ones(4), torch.arange(6.0)
+    shared.share_memory_()
+    state = {"owned": owned, "shared": shared}
+    for _ in range(2):  # (the second call finds the target's plan cached)
+        with pytest.raises(go.OffloadError, match="shared: its storage cannot be released and re-allocated"):
+            go.offload(state, arena=arena)
+        assert owned.untyped_storage().nbytes() == 16 and shared.untyped_storage().nbytes() == 24
+        assert arena.used_bytes == 0
+    go.snapshot(state, arena=arena).wait().free()  # (a snapshot releases nothing: it serves)
+    plain = {"owned": owned}
+    go.snapshot(plain, arena=arena).wait().free()  # a plan cached while its storage could be re-allocated
+    owned.share_memory_()
+    with pytest.raises(go.OffloadError, match="owned: its storage cannot be released"):
+        go.offload(plain, arena=arena)
     assert owned.untyped_storage().nbytes() == 16 and arena.used_bytes == 0
 
 

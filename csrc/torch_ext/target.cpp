@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <ATen/native/Resize.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/Stream.h>
@@ -97,6 +98,102 @@ void resize_empty(c10::StorageImpl* s, size_t nbytes, bool through_allocator = f
 }
 
 bool one_pass_device(const c10::Device& device) { return device.is_cpu() || device.is_cuda(); }
+
+// Whether a storage can be released and allocated again: resizable, with an allocator to grow it back from.
+// A CPU storage moved to shared memory (share_memory_(), or one from another process) is resizable yet has
+// none, and torch's resize_bytes_cpu would follow the null allocator.
+bool regrowable(const c10::StorageImpl* s) { return s->resizable() && s->allocator() != nullptr; }
+
+// A reload's small CPU storages share blocks: one allocation per block instead of one per storage. For a
+// 16-byte storage, c10's allocator asks glibc for a 64-byte-aligned chunk (memalign splits a larger one),
+// and the frees of a released target then make the next large request consolidate every chunk: about a
+// quarter of an offload+reload of 65536 tiny tensors. Each storage gets its own 64-byte-aligned part of a block (the
+// alignment c10's alloc_cpu gives), with a deleter that drops the block's count, so each storage is still
+// freed, resized or shared on its own; the block goes back to the allocator with its last storage. Only
+// storages up to kBlockPartBytes (glibc serves those from its heap, where a freed chunk rarely goes back to
+// the system anyway) and blocks up to kBlockBytes, so a storage released alone holds at most one block.
+constexpr size_t kBlockPartBytes = 64 * 1024;
+constexpr size_t kBlockBytes = 4 * 1024 * 1024;
+constexpr size_t kBlockAlign = 64;
+
+std::atomic<int64_t> g_num_blocks{0};  // blocks alive (num_cpu_blocks(), for the tests)
+
+struct StorageBlock {
+  StorageBlock() { g_num_blocks.fetch_add(1, std::memory_order_relaxed); }
+  ~StorageBlock() { g_num_blocks.fetch_sub(1, std::memory_order_relaxed); }
+  at::DataPtr memory;
+  std::atomic<size_t> users{1};  // its parts in use, and one for the pass that hands them out
+};
+
+// A part's deleter: its block goes with its last part.
+void release_block_part(void* ctx) {
+  StorageBlock* block = static_cast<StorageBlock*>(ctx);
+  if (block->users.fetch_sub(1, std::memory_order_acq_rel) == 1) delete block;
+}
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// The parts of a reload's small CPU storages (by the record's facts; each storage is checked again as
+// it is resized), their blocks allocated up front: an allocation failure leaves every storage as it was.
+class BlockParts {
+ public:
+  // `want[k]`: the size storage k grows to, 0 where it takes the allocator's own way.
+  explicit BlockParts(const std::vector<size_t>& want) : part_(want.size(), nullptr), block_(want.size(), nullptr) {
+    try {
+      allocate(want);
+    } catch (...) {
+      release();  // (no destructor runs for an object whose constructor throws)
+      throw;
+    }
+  }
+  BlockParts(const BlockParts&) = delete;
+  BlockParts& operator=(const BlockParts&) = delete;
+  ~BlockParts() { release(); }
+  bool has(size_t k) const { return part_[k] != nullptr; }
+  // Storage k's part, counted as in use (the caller sets it on the storage).
+  at::DataPtr take(size_t k, const c10::Device& device) {
+    block_[k]->users.fetch_add(1, std::memory_order_relaxed);
+    return at::DataPtr(part_[k], block_[k], &release_block_part, device);
+  }
+
+ private:
+  void allocate(const std::vector<size_t>& want) {
+    c10::Allocator* allocator = c10::GetCPUAllocator();
+    size_t start = 0;
+    while (start < want.size()) {
+      size_t bytes = 0, end = start;
+      for (; end < want.size(); ++end) {
+        if (want[end] == 0) continue;
+        const size_t part = round_up(want[end], kBlockAlign);
+        if (bytes != 0 && bytes + part > kBlockBytes) break;
+        bytes += part;
+      }
+      if (bytes != 0) {
+        auto owned = std::make_unique<StorageBlock>();
+        owned->memory = allocator->allocate(bytes);
+        blocks_.push_back(owned.get());
+        StorageBlock* block = owned.release();
+        char* at = static_cast<char*>(block->memory.get());
+        for (size_t k = start; k < end; ++k) {
+          if (want[k] == 0) continue;
+          part_[k] = at;
+          block_[k] = block;
+          at += round_up(want[k], kBlockAlign);
+        }
+      }
+      start = end;
+    }
+  }
+  // The pass's own counts go: a block none of whose parts was handed out is freed here.
+  void release() {
+    for (StorageBlock* block : blocks_) release_block_part(block);
+    blocks_.clear();
+  }
+  std::vector<void*> part_;
+  std::vector<StorageBlock*> block_;
+  std::vector<StorageBlock*> blocks_;
+};
+
 
 // Storage -> index, open addressing: a record is made on every fresh bind, and a node-based map's allocation
 // per storage was most of its cost.
@@ -216,7 +313,7 @@ TargetRecord::TargetRecord(py::handle list) {
     c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
     auto [index, fresh] = index_of.find_or_insert(s, static_cast<int32_t>(storages_.size()));
     if (fresh) {
-      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), s->resizable(), s->nbytes()});
+      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), regrowable(s), s->nbytes()});
       first_tensor_.push_back(static_cast<int32_t>(i));
       if (s->nbytes() != 0) live_.push_back(index);
     }
@@ -377,10 +474,11 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();
   for (Py_ssize_t i = 0; i < n; ++i) {
-    prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
+    c10::TensorImpl* ahead = prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
+    if (ahead != nullptr) prefetch_whole<c10::TensorImpl>(ahead);
     if (i + kAhead < n) {
       const TensorFacts& next = tensors_[static_cast<size_t>(i + kAhead)];
-      if (next.first) __builtin_prefetch(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
+      if (next.first) prefetch_whole<c10::StorageImpl>(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
     }
     const TensorFacts& t = tensors_[static_cast<size_t>(i)];
     PyObject* obj = items.data[i];
@@ -407,7 +505,7 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
     // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
     if (t.first && memory) {
       if (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
-          storage->resizable() != s.resizable) {
+          regrowable(storage) != s.resizable) {
         return false;
       }
       // A live storage (live_ lists them in the order of their first tensors), while its line is at hand.
@@ -438,7 +536,7 @@ bool TargetRecord::refresh(py::handle list) {
     s.data = data_of(s.impl);
     s.nbytes = s.impl->nbytes();
     s.device = s.impl->device();
-    s.resizable = s.impl->resizable();
+    s.resizable = regrowable(s.impl);
   }
   summarize();
   return true;
@@ -564,6 +662,8 @@ void TargetRecord::set_refusals(py::list messages) {
   parked_ = std::move(parked);
 }
 
+int64_t num_cpu_blocks() { return g_num_blocks.load(std::memory_order_relaxed); }
+
 void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::handle held) {
   if (refuse && parked_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
   HeldStorages* h = usable_held(held);
@@ -607,6 +707,21 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bo
   // the resize and the refusal touch beyond it: the extra meta a refusal writes and, for a CPU release, the
   // heap chunk's header that free() reads just before the memory.
   const size_t n = held != nullptr ? held->refs.size() : reached.size(), ahead = static_cast<size_t>(kAhead);
+  // A reload's small CPU storages grow into shared blocks (BlockParts), allocated before any storage moves.
+  std::optional<BlockParts> blocks;
+  if (!release) {
+    std::vector<size_t> want(n, 0);
+    size_t eligible = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
+      if (facts.device.is_cpu() && facts.resizable && facts.recorded_nbytes <= kBlockPartBytes) {
+        want[k] = facts.recorded_nbytes;
+        eligible += want[k] != 0;
+      }
+    }
+    if (eligible > 1) blocks.emplace(want);
+  }
+  c10::Allocator* const cpu_allocator = blocks ? c10::GetCPUAllocator() : nullptr;
   for (size_t k = 0; k < n; ++k) {
     if (k + 2 * ahead < n) {
       prefetch_whole<c10::StorageImpl, 1>(impl_at(k + 2 * ahead));
@@ -622,7 +737,13 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bo
     c10::StorageImpl* impl = impl_at(k);
     // A refused storage cannot be resized: the refusal is lifted first, and set again once released.
     if (refuse && !release) allow_access_moving(impl, parked_[k]);
-    resize_empty(impl, release ? 0 : facts.recorded_nbytes);
+    // (A part only where the storage is as its offload left it: empty, resizable, c10's CPU allocator's.)
+    if (blocks && blocks->has(k) && impl->nbytes() == 0 && impl->resizable() && impl->allocator() == cpu_allocator) {
+      impl->set_data_ptr_noswap(blocks->take(k, facts.device));
+      impl->set_nbytes(facts.recorded_nbytes);
+    } else {
+      resize_empty(impl, release ? 0 : facts.recorded_nbytes);
+    }
     facts.data = data_of(impl);
     facts.nbytes = impl->nbytes();
     if (refuse && release) {

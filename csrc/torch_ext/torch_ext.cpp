@@ -279,6 +279,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         py::arg("through_allocator") = false,
         "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "
         "the first failure); through_allocator: the way resize_live resizes a CUDA storage (to 0, or from 0).");
+  m.def("num_cpu_blocks", &num_cpu_blocks,
+        "How many shared blocks of small CPU storages (resize_live's reload) are alive: each goes with its last "
+        "storage.");
   py::class_<HeldStorages>(m, "HeldStorages")
       .def_property_readonly("spent", [](const HeldStorages& h) { return h.spent; })
       .def_property_readonly("num_held", [](const HeldStorages& h) { return h.refs.size(); });

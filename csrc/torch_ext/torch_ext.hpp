@@ -187,7 +187,7 @@ class TargetRecord {
     void* data;
     size_t nbytes;
     c10::Device device;
-    bool resizable;
+    bool resizable;  // regrowable(): resizable, with an allocator to grow it back from
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
   // memory: also each storage's memory, size, device and resizability (check()); else only what views it.
@@ -243,6 +243,8 @@ class StorageWatch {
 };
 
 void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bool through_allocator);
+// The shared blocks a reload's small CPU storages grow into (resize_live), alive now.
+int64_t num_cpu_blocks();
 py::object plain_items(py::handle mapping, py::handle names);
 bool any_grad(py::handle list, Py_ssize_t count);
 // data_ptr() of each plain tensor or UntypedStorage of a list, 0 for one whose storage holds no memory (an
