@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import io
+import os
 
 import pytest
 import torch
@@ -206,6 +207,8 @@ print("intact", all(bool((target[f"s{i}"] == float(i)).all()) for i in range(102
 """
 
 
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="AddressSanitizer reserves its shadow memory up front: an address-space limit stalls it")
 def test_a_block_that_cannot_be_allocated_leaves_the_target_offloaded():
     import subprocess
     import sys
