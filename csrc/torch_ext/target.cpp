@@ -110,10 +110,12 @@ bool regrowable(const c10::StorageImpl* s) { return s->resizable() && s->allocat
 // quarter of an offload+reload of 65536 tiny tensors. Each storage gets its own 64-byte-aligned part of a block (the
 // alignment c10's alloc_cpu gives), with a deleter that drops the block's count, so each storage is still
 // freed, resized or shared on its own; the block goes back to the allocator with its last storage. Only
-// storages up to kBlockPartBytes (glibc serves those from its heap, where a freed chunk rarely goes back to
-// the system anyway) and blocks up to kBlockBytes, so a storage released alone holds at most one block.
+// storages up to kBlockPartBytes, in blocks up to kBlockBytes: under glibc's default mmap threshold (128
+// KiB), so a block comes from the heap, where the last offload's blocks are reused (4 MiB blocks were
+// mapped afresh, a page fault per 4 KiB at each reload until glibc raised its threshold), and a storage
+// released alone holds at most that much.
 constexpr size_t kBlockPartBytes = 64 * 1024;
-constexpr size_t kBlockBytes = 4 * 1024 * 1024;
+constexpr size_t kBlockBytes = 120 * 1024;
 constexpr size_t kBlockAlign = 64;
 
 std::atomic<int64_t> g_num_blocks{0};  // blocks alive (num_cpu_blocks(), for the tests)
