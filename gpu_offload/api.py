@@ -25,7 +25,7 @@ from .arena import Arena, Region, default_arena
 from .overlap import join
 from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
-from .storages import UNREGROWABLE, PLAIN_TENSOR_TYPES, bind, check_tensor, extent_problem, match, regrowable, unwrap
+from .storages import PLAIN_TENSOR_TYPES, UNREGROWABLE, bind, check_tensor, extent_problem, match, regrowable, unwrap
 
 logger = logging.getLogger("gpu_offload")
 

@@ -107,13 +107,13 @@ bool regrowable(const c10::StorageImpl* s) { return s->resizable() && s->allocat
 // A reload's small CPU storages share blocks: one allocation per block instead of one per storage. For a
 // 16-byte storage, c10's allocator asks glibc for a 64-byte-aligned chunk (memalign splits a larger one),
 // and the frees of a released target then make the next large request consolidate every chunk: about a
-// quarter of an offload+reload of 65536 tiny tensors. Each storage gets its own 64-byte-aligned part of a block (the
-// alignment c10's alloc_cpu gives), with a deleter that drops the block's count, so each storage is still
-// freed, resized or shared on its own; the block goes back to the allocator with its last storage. Only
+// quarter of an offload+reload of 65536 tiny tensors. Each storage gets its own 64-byte-aligned part of a
+// block (the alignment c10's alloc_cpu gives), with a deleter that drops the block's count, so each storage
+// is still freed, resized or shared on its own; the block goes back to the allocator with its last storage. Only
 // storages up to kBlockPartBytes, in blocks up to kBlockBytes: under glibc's default mmap threshold (128
-// KiB), so a block comes from the heap, where the last offload's blocks are reused (4 MiB blocks were
-// mapped afresh, a page fault per 4 KiB at each reload until glibc raised its threshold), and a storage
-// released alone holds at most that much.
+// KiB), so a block comes from the heap, which reuses the last offload's blocks unless it gave them back to
+// the system (4 MiB blocks were mapped afresh, a page fault per 4 KiB at every reload until glibc raised its
+// threshold), and a storage released alone holds at most that much.
 constexpr size_t kBlockPartBytes = 64 * 1024;
 constexpr size_t kBlockBytes = 120 * 1024;
 constexpr size_t kBlockAlign = 64;
@@ -195,7 +195,6 @@ class BlockParts {
   std::vector<StorageBlock*> block_;
   std::vector<StorageBlock*> blocks_;
 };
-
 
 // Storage -> index, open addressing: a record is made on every fresh bind, and a node-based map's allocation
 // per storage was most of its cost.
@@ -476,11 +475,13 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();
   for (Py_ssize_t i = 0; i < n; ++i) {
+    // (All of the TensorImpl ahead: storage, sizes and strides, offset, dtype and key set span three lines.)
     c10::TensorImpl* ahead = prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
     if (ahead != nullptr) prefetch_whole<c10::TensorImpl>(ahead);
     if (i + kAhead < n) {
       const TensorFacts& next = tensors_[static_cast<size_t>(i + kAhead)];
-      if (next.first) prefetch_whole<c10::StorageImpl>(storages_[static_cast<size_t>(next.storage)].impl);  // (the recorded one)
+      // (The recorded storage, all its lines: the check reads its size and flags past the first.)
+      if (next.first) prefetch_whole<c10::StorageImpl>(storages_[static_cast<size_t>(next.storage)].impl);
     }
     const TensorFacts& t = tensors_[static_cast<size_t>(i)];
     PyObject* obj = items.data[i];
