@@ -15,7 +15,9 @@ Measures (each the median of --repeats calls, with the slowest/fastest spread):
   "allocator + copy-stream uses": the same with each storage first recorded on the copy stream (offload's
   record_stream), whose price is an event per freed block in torch's caching allocator.
   and "checks (in offload+reload)": the two validations a cycle makes before anything moves (the target
-  read, then its cached plan checked, holding its storages: without, then with its grads), alone;
+  read, then its cached plan checked, holding its storages: twice without its grads, as offload and then
+  reload read it where no registered set holds gradients; before 2026-12-03's fifth session the reload read
+  the grads too, and this row did), alone;
   module only: "offload+reload, grads=keep|copy|drop", the cycle with a .grad on every parameter (twice the
   tensors; Y stays the parameters' pass).
 Each figure in Y twice: "Y", the call's median over the median of a block of Y passes taken before the
@@ -196,8 +198,8 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
             out["allocator + copy-stream uses"] = paired(allocator_with_uses, repeats)
 
     def checks() -> None:  # what offload, then reload, asks of the cached target before a byte moves
-        for grads in (False, True):
-            resolved = plan.cached(adapters.named_tensors(target, include_grads=grads), hold=True)
+        for _ in range(2):
+            resolved = plan.cached(adapters.named_tensors(target), hold=True)
             assert resolved is not None, "the target's plan is not cached"
 
     if hasattr(plan, "cached"):  # (absent in older versions)

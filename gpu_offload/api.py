@@ -499,17 +499,23 @@ def reload(target: Any, *, verify: bool = False) -> None:
     _capture.refuse("reload")
     join()  # overlapped snapshots must have read the weights before they change
     start = time.perf_counter()
-    named = named_tensors(target, include_grads=True)
+    named = None  # the target with its gradients, read where needed
     with _registry.lock:
         # The common case: the target as its offload left it, every storage of that offload still offloaded.
-        resolved = _plan_to_reload(named) if _registry.entries else None
+        # Read without its gradients first where no registered set holds any (the gradients stayed on the
+        # device or were dropped): reading them is a pass over every parameter that this case never needs.
+        resolved = _state_to_reload(target) if _registry.entries else None
+        if resolved is None and _registry.entries:
+            named = named_tensors(target, include_grads=True)
+            resolved = _plan_to_reload(named)
         offloaded = resolved.plan.offloaded if resolved is not None else None
         if resolved is not None and offloaded is not None:
             _reload_through_plan(resolved, offloaded, verify)
             dropped = offloaded.dropped
             if dropped is not None and _registry.registered(dropped):  # and the gradients it dropped, zeroed
-                _regrow_dropped(named, dropped)
+                _regrow_dropped(named if named is not None else named_tensors(target, include_grads=True), dropped)
         else:
+            named = named if named is not None else named_tensors(target, include_grads=True)
             records, bound = _reload_bound(named, verify)
     _registry.unguard(target)
     if resolved is not None and offloaded is not None:  # reloaded through the plan
@@ -531,6 +537,15 @@ def _reloadable(plan: _plan.TargetPlan) -> bool:
     through the plan."""
     offloaded = plan.offloaded
     return offloaded is not None and offloaded.whole and _registry.registered(offloaded)
+
+
+def _state_to_reload(target: Any) -> Optional[_plan.Resolved]:
+    """The plan the target's offload left, read and checked without the target's gradients, where that offload
+    moved its state alone: no registered set holds a gradient (the registry lock held). None: ask
+    _plan_to_reload with the gradients."""
+    if _registry.others_hold_grads(None):  # (an offload with grads="copy", or of a gradient's own target)
+        return None
+    return _plan.cached(named_tensors(target), hold=True, accept=_reloadable)
 
 
 def _plan_to_reload(named: Any) -> Optional[_plan.Resolved]:

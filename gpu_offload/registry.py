@@ -341,9 +341,9 @@ def remove(s: OffloadedSet) -> bool:
     return True
 
 
-def others_hold_grads(s: OffloadedSet, also: Optional[OffloadedSet] = None) -> bool:
+def others_hold_grads(s: Optional[OffloadedSet], also: Optional[OffloadedSet] = None) -> bool:
     """Whether a registered set other than `s` (and `also`) may hold some tensor's gradient (call with the lock
-    held)."""
+    held); s=None: whether any does."""
     return any(other.holds_grads for other in _sets if other is not s and other is not also)
 
 

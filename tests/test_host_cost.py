@@ -1082,6 +1082,50 @@ def test_a_reload_looks_for_gradients_another_offload_holds(arena, monkeypatch):
     go.reload(other)
 
 
+def _reads(monkeypatch) -> list[bool]:
+    """The include_grads of every read of a target the engine's calls make from here on."""
+    import gpu_offload.api as api
+
+    seen: list[bool] = []
+    real = api.named_tensors
+
+    def spy(target, **kw):
+        seen.append(kw.get("include_grads", False))
+        return real(target, **kw)
+
+    monkeypatch.setattr(api, "named_tensors", spy)
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_a_reload_reads_the_gradients_only_where_it_needs_them(arena, monkeypatch, policy):
+    # The shortcut: where no registered set holds a gradient, the reload reads the state alone (a pass over
+    # every parameter's .grad saved). Dropped gradients are a set of their own: read with the state, once.
+    m = _model()
+    _with_grads(m)
+    expected = {n: t.detach().clone() for n, t in named_tensors(m, include_grads=True)}
+    go.offload(m, arena=arena, grads=policy)
+    go.reload(m)  # (the plans made)
+    go.offload(m, arena=arena, grads=policy)
+    reads = _reads(monkeypatch)
+    go.reload(m)
+    assert reads == ([False] if policy == "keep" else [True])
+    for name, t in named_tensors(m, include_grads=True):
+        want = expected[name] if policy == "keep" or not name.endswith(".grad") else torch.zeros_like(t)
+        assert_bitwise_equal(t.detach(), want)
+    # Where a set may hold gradients (copied with the state, or offloaded on their own) it reads them first.
+    go.offload(m, arena=arena, grads="copy")
+    reads.clear()
+    go.reload(m)
+    assert reads == [True]
+    go.offload(m, arena=arena)
+    go.offload({"g": m[0].inner.weight.grad}, arena=arena)
+    reads.clear()
+    go.reload(m)
+    assert reads == [True] and not go.is_offloaded({"g": m[0].inner.weight.grad})
+    assert arena.used_bytes == 0
+
+
 def test_gradients_copied_with_the_state_come_back_through_their_plan(arena, monkeypatch):
     m = _model()
     _with_grads(m)
