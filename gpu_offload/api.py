@@ -286,7 +286,7 @@ def _grads_to_drop(grads: Sequence[tuple[str, torch.Tensor]],
             continue
         seen.add(key)
         if not regrowable(storage):
-            raise OffloadError(f"cannot drop {name}: its storage cannot be released and re-allocated {UNREGROWABLE}")
+            raise OffloadError(f"cannot drop {name}: {UNREGROWABLE}")
         out.append((key, storage, name))
     return out
 
@@ -410,8 +410,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
         plan, layout = resolved.plan, resolved.layout
         stuck = plan.all_resizable(resolved)
         if stuck is not None:
-            raise OffloadError(f"cannot offload {stuck}: its storage cannot be released and re-allocated "
-                               f"{UNREGROWABLE}")
+            raise OffloadError(f"cannot offload {stuck}: {UNREGROWABLE}")
         live = plan.live
         grads = gradient_tensors(target) if policy == "drop" else None
         # Gradients to release: through a plan of their own (one C++ pass) where all of its storages go,
@@ -513,7 +512,9 @@ def reload(target: Any, *, verify: bool = False) -> None:
             _reload_through_plan(resolved, offloaded, verify)
             dropped = offloaded.dropped
             if dropped is not None and _registry.registered(dropped):  # and the gradients it dropped, zeroed
-                _regrow_dropped(named if named is not None else named_tensors(target, include_grads=True), dropped)
+                # (Read with its gradients: a registered set of dropped ones holds gradients, so the state was
+                # not read alone.)
+                _regrow_dropped(named, dropped)
         else:
             named = named if named is not None else named_tensors(target, include_grads=True)
             records, bound = _reload_bound(named, verify)

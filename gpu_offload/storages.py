@@ -242,7 +242,9 @@ def regrowable(storage: torch.UntypedStorage) -> bool:
     return storage.resizable() and not (storage.device.type == "cpu" and storage.is_shared())
 
 
-UNREGROWABLE = "(memory borrowed from numpy, DLPack, a file or shared memory?)"
+# What an offload or a drop says of a storage that is not regrowable (after "cannot offload <name>: ").
+UNREGROWABLE = ("its storage cannot be released and re-allocated (memory borrowed from numpy, DLPack, a file or "
+                "shared memory?)")
 
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:
