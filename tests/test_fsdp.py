@@ -413,6 +413,72 @@ def test_an_fsdp2_models_recorded_traversal_reads_what_the_walk_reads() -> None:
     run_ranks(_check_fsdp2_record, 1)
 
 
+def _check_fsdp2_first_record(rank: int, world_size: int) -> None:
+    import json
+
+    from gpu_offload import adapters, torch_ext
+
+    if torch_ext.ext is None or not torch_ext.ext.MODULE_TREE:
+        return
+    a, _ = _make("fsdp2", world_size)
+    _probe(a)  # a no_grad forward leaves the root group unsharded: the first record reshards it
+    assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
+    adapters._fsdp2_trees.clear()
+    # The first record walks nothing in Python: its groups and paths come from the C++ traversal, and its
+    # shard layout from those.
+    walk, info_walk, scan = fsdp_adapter._fsdp2_named, fsdp_adapter.fsdp_shard_info, fsdp_adapter._fsdp2_scan
+
+    def scan_given(module: nn.Module, paths: object = None, named_modules: object = None) -> object:
+        assert named_modules is not None, "walked in Python"
+        return scan(module, paths, named_modules)
+
+    fsdp_adapter._fsdp2_named = fsdp_adapter.fsdp_shard_info = None  # (a call would raise)
+    fsdp_adapter._fsdp2_scan = scan_given
+    try:
+        got = _read(a, False)
+        text = adapters.shard_info(a)
+    finally:
+        fsdp_adapter._fsdp2_named, fsdp_adapter.fsdp_shard_info, fsdp_adapter._fsdp2_scan = walk, info_walk, scan
+    assert a in adapters._fsdp2_trees and fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
+    assert "paths" not in adapters._fsdp2_trees[a][4]  # (dropped once the layout is made)
+    assert got == _walked(a, False)
+    # The same text as json.dumps of the walk's info (a layout compares it as text, files keep it).
+    walked = fsdp_adapter.fsdp_shard_info(a)
+    assert text == json.dumps({"0": walked}, sort_keys=True, default=str)
+    assert fsdp_adapter.shard_info_json(walked) == json.dumps(walked, sort_keys=True, default=str)
+    layouts = {id(v) for v in walked["params"].values()}
+    assert len(layouts) < len(walked["params"])  # (parameters of one layout share its dict)
+
+
+def test_an_fsdp2_models_first_record_walks_nothing_in_python_and_reads_what_the_walk_reads() -> None:
+    run_ranks(_check_fsdp2_first_record, 1)
+
+
+def test_shard_info_json_is_json_dumps_sorted() -> None:
+    import json
+
+    layout = {"global_shape": [2, 3], "padded_local_shape": [2, 3], "placements": ["Shard(dim=0)"],
+              "dtype": "torch.float32"}
+    other = dict(layout, dtype="torch.bfloat16", placements=["Replicate()", 'Odd"\\'])
+    infos = [
+        {"kind": "fsdp2", "world_size": 2, "rank": 1,
+         "params": {"b.weight": layout, "a.é.深": other, "a.weight": layout, "z\n\"q": other, "": layout}},
+        {"kind": "fsdp2", "world_size": 1, "rank": 0, "params": {}},
+        {"kind": "fsdp2", "params": {"x": {"nested": {"b": 1, "a": [1.5, None, True]}}}, "extra": object()},
+        {"kind": "fsdp1", "world_size": 1, "rank": 0, "flat_params": {"": {"padding": 0}}},
+        {"kind": "fsdp2", "params": {1: layout}},  # (keys not str: json.dumps decides, as before)
+        {"kind": "fsdp2", "params": "not a dict"},
+    ]
+    for info in infos:
+        try:
+            want = json.dumps(info, sort_keys=True, default=str)
+        except TypeError:
+            with pytest.raises(TypeError):
+                fsdp_adapter.shard_info_json(info)
+            continue
+        assert fsdp_adapter.shard_info_json(info) == want
+
+
 # -- DTensor targets: their plans are of the local tensors, and valid only for the very same DTensors --------
 def _check_dtensor_plans(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh

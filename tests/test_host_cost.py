@@ -243,6 +243,28 @@ def test_a_recorded_traversal_names_tensors_as_torch_does_whatever_the_character
     _snapshot_matches(m, arena)
 
 
+@needs_ext
+def test_a_recorded_traversal_gives_named_modules_as_torch_does(checks):
+    # build_module_tree(with_modules=True), which FSDP2's first record reads its groups and paths from instead of
+    # walking the modules in Python: each module once, under the path it is first reached by, its children not
+    # again where it is reached a second time; names not ASCII at any depth; a None child skipped.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    shared = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1)))
+    m = torch.nn.Module()
+    m.first = torch.nn.ModuleDict({"a": shared, "深": torch.nn.Linear(1, 1)})
+    m.add_module("é", torch.nn.ModuleList([torch.nn.Linear(1, 1), shared]))  # shared reached again
+    m.add_module("gone", None)
+    m.last = shared[1]  # a child of the shared module, reached a third way
+    for module in (m, shared, torch.nn.Linear(2, 2)):
+        built = torch_ext.ext.build_module_tree(module, torch.nn.Module, (), True)
+        truth = list(module.named_modules())
+        assert list(zip(built[4], built[5])) == truth
+        assert [id(x) for _, x in zip(built[4], built[5])] == [id(x) for _, x in truth]
+        assert built[1] == [n for n, _ in plain_module_tensors(module, include_grads=False)]
+    assert len(torch_ext.ext.build_module_tree(m, torch.nn.Module, ())) == 4  # (without: the 4-tuple as before)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "torch_ext.hpp"
@@ -128,8 +129,8 @@ struct ModuleMethods {
 
 class Builder {
  public:
-  Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused)
-      : module_type_(module_type), refused_(std::move(refused)) {
+  Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused, bool with_modules)
+      : module_type_(module_type), refused_(std::move(refused)), with_modules_(with_modules) {
     base_.named_modules = lookup(module_type, "named_modules");
     base_.named_parameters = lookup(module_type, "named_parameters");
     base_.named_buffers = lookup(module_type, "named_buffers");
@@ -180,6 +181,7 @@ class Builder {
       facts.num_entries[p] = static_cast<int32_t>(tree_.entries.size()) - facts.entries_at[p];
     }
     tree_.modules.push_back(facts);
+    if (with_modules_) add_module(module, prefix);
     // named_parameters and named_buffers walk the same modules in the same order (pre-order): each module's
     // buffers are gathered with its parameters, while its dicts are at hand, and listed after all of them.
     if (!members(facts.parts[0], prefix, param_names_, params_) ||
@@ -241,7 +243,13 @@ class Builder {
     give(tensors, 0, params_);
     give(tensors, num_params, buffers_);
     auto* tree = new ModuleTree(std::move(tree_));
-    return py::make_tuple(py::cast(tree, py::return_value_policy::take_ownership), names, tensors, num_params);
+    py::object handle = py::cast(tree, py::return_value_policy::take_ownership);
+    if (!with_modules_) return py::make_tuple(handle, names, tensors, num_params);
+    first_visits();
+    py::list paths(module_paths_.size()), modules(modules_.size());
+    give(paths, 0, module_paths_);
+    give(modules, 0, modules_);
+    return py::make_tuple(handle, names, tensors, num_params, paths, modules);
   }
 
  private:
@@ -356,6 +364,42 @@ class Builder {
     return join(path_object.ptr(), name);
   }
 
+  // with_modules: each visit's (path, module), later reduced to named_modules()' items (first_visits). The
+  // path is the prefix the module is visited under: `prefix`, or path_ where that is nullptr.
+  void add_module(PyObject* module, PyObject* prefix) {
+    if (prefix != nullptr) {
+      module_paths_.push_back(py::reinterpret_borrow<py::object>(prefix));
+    } else {
+      PyObject* path = PyUnicode_FromStringAndSize(path_.data(), static_cast<Py_ssize_t>(path_.size()));
+      if (path == nullptr) throw py::error_already_set();
+      module_paths_.push_back(py::reinterpret_steal<py::object>(path));
+    }
+    modules_.push_back(py::reinterpret_borrow<py::object>(module));
+  }
+
+  // Keeps each module's first visit only, in order (named_modules() yields a module reached again once, and
+  // not its children again: they were reached under its first visit too). A module reached twice is rare: a
+  // sorted copy of the pointers tells whether any was before a set is made.
+  void first_visits() {
+    std::vector<PyObject*> sorted;
+    sorted.reserve(modules_.size());
+    for (const py::object& m : modules_) sorted.push_back(m.ptr());
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end()) return;
+    std::unordered_set<PyObject*> seen;
+    size_t kept = 0;
+    for (size_t i = 0; i < modules_.size(); ++i) {
+      if (!seen.insert(modules_[i].ptr()).second) continue;
+      if (kept != i) {
+        modules_[kept] = std::move(modules_[i]);
+        module_paths_[kept] = std::move(module_paths_[i]);
+      }
+      ++kept;
+    }
+    modules_.resize(kept);
+    module_paths_.resize(kept);
+  }
+
   // A module's tensors under `prefix` (nullptr: path_), as visit() reads it.
   bool members(PyObject* dict, PyObject* prefix, std::vector<py::object>& names, std::vector<py::object>& values) {
     Py_ssize_t pos = 0;
@@ -378,20 +422,23 @@ class Builder {
   std::vector<py::object> held_;  // kids_' references
   std::string path_;  // the prefix of the module being visited, while it is ASCII (see visit)
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
+  // with_modules: named_modules() (each module once, at its first visit, pre-order): paths and modules.
+  bool with_modules_;
+  std::vector<py::object> module_paths_, modules_;
 };
 
 }  // namespace
 
 bool module_tree_supported() { return true; }
 
-py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused) {
+py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused, bool with_modules) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
   std::vector<PyTypeObject*> refused_types;
   for (py::handle t : refused) {
     if (!PyType_Check(t.ptr())) throw py::type_error("refused: classes only");
     refused_types.push_back(reinterpret_cast<PyTypeObject*>(t.ptr()));
   }
-  Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()), std::move(refused_types));
+  Builder b(reinterpret_cast<PyTypeObject*>(module_type.ptr()), std::move(refused_types), with_modules);
   if (!b.visit(root.ptr(), nullptr, 0, true)) return py::none();
   return b.result();
 }
@@ -580,7 +627,7 @@ void bind_module_tree(py::module_& m) {
 
 class ModuleTree {};
 bool module_tree_supported() { return false; }
-py::object build_module_tree(py::handle, py::handle, py::tuple) { return py::none(); }
+py::object build_module_tree(py::handle, py::handle, py::tuple, bool) { return py::none(); }
 bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")

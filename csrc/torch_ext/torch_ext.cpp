@@ -308,10 +308,11 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.attr("MODULE_TREE") = module_tree_supported();
   bind_module_tree(m);
   m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
-        py::arg("refused") = py::tuple(),
+        py::arg("refused") = py::tuple(), py::arg("with_modules") = false,
         "(tree, names, tensors, num_params) of a plain module's named_parameters + named_buffers "
         "(remove_duplicate=False), or None where the traversal is not a plain one or a module is an instance "
-        "of a `refused` class.");
+        "of a `refused` class. with_modules: (tree, names, tensors, num_params, paths, modules), the last two "
+        "what named_modules() yields (each module once, under the path it is first reached by).");
   m.attr("OPTIMIZER_TREE") = optimizer_tree_supported();
   bind_optimizer_tree(m);
   m.def("build_optimizer_tree", &build_optimizer_tree, py::arg("optimizer"),

@@ -263,7 +263,8 @@ py::bytes object_ids(py::handle list);
 class ModuleTree;
 bool module_tree_supported();
 // (tree, names, tensors, num_params) | None; None too where a module is an instance of a `refused` class.
-py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused);
+// with_modules: (tree, names, tensors, num_params, paths, modules), the last two named_modules()' items.
+py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused, bool with_modules);
 bool check_module_tree(const ModuleTree& tree, py::handle root);
 void bind_module_tree(py::module_& m);
 

@@ -152,33 +152,42 @@ def strategy_of(obj: Any) -> Optional[Strategy]:
 
 def shard_info(target: Any) -> Optional[str]:
     """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
-    optimizers, DeepSpeed), as canonical JSON keyed by part index; None when nothing in it is sharded."""
+    optimizers, DeepSpeed), as canonical JSON keyed by part index (json.dumps(..., sort_keys=True)); None when
+    nothing in it is sharded."""
     info: dict[str, Any] = {}
+    texts: dict[str, str] = {}  # each part's JSON
     kept = True  # every part's info is one a record kept (never changed once made)
     for i, part in enumerate(parts(target)):
-        part_info = _recorded_fsdp2_shard_info(part)
-        if part_info is not None:
-            info[str(i)] = part_info
+        recorded = _recorded_fsdp2_shard_info(part)
+        if recorded is not None:
+            info[str(i)], texts[str(i)] = recorded
             continue
         strategy = _recorded_strategy(part) or strategy_of(part)
         if strategy is not None and strategy.shard_info is not None:
             part_info = strategy.shard_info(part)
             if part_info is not None:
                 info[str(i)] = part_info
+                texts[str(i)] = fsdp.shard_info_json(part_info)
                 kept = False
     if not info:
         return None
     if not kept:
-        return json.dumps(info, sort_keys=True, default=str)
-    # The same kept dicts under the same indices: the same JSON (about 2 us a parameter to make again).
+        return _joined_json(texts)
+    # The same kept dicts under the same indices: the same JSON.
     key = tuple(info.items())
     last = _last_kept_shard_info[0]  # (one read: the pair another thread may replace whole)
     if last is not None and len(last[0]) == len(key) and all(
             a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], key)):
         return last[1]
-    text = json.dumps(info, sort_keys=True, default=str)
+    text = _joined_json(texts)
     _last_kept_shard_info[0] = (key, text)  # (holds the dicts: an equal identity is that very dict)
     return text
+
+
+def _joined_json(texts: dict[str, str]) -> str:
+    """json.dumps(parts, sort_keys=True) of a dict whose values' JSON is `texts` (str keys)."""
+    encode = json.encoder.encode_basestring_ascii
+    return "{" + ", ".join(f"{encode(key)}: {texts[key]}" for key in sorted(texts)) + "}"
 
 
 # The last JSON made of kept infos alone, with them: (((index, info), ...), text), or None.
@@ -316,31 +325,45 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
 
 
 def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, list[Any], dict[str, Any]]]:
-    """Walks an FSDP2 root in Python once (what it checks and raises, it raises; idle groups are resharded),
-    records its traversal and keeps the record where it reads the same (names, tensor objects)."""
+    """Records an FSDP2 root's traversal in C++ and names its tensors from it as the Python walk does (what
+    that checks and raises, this raises; idle groups are resharded, and the traversal recorded again where one
+    was); keeps the record where it reads the same as that walk (the managed parameters, then the others and
+    the buffers: the traversal's own order when every parameter is managed). The modules' paths stay in the
+    record's dict until the first shard layout is computed from them (ids: nothing of the model is held)."""
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
         return None
-    groups: list[Any] = []
-    state, _ = fsdp._fsdp2_named(module, include_grads=False, groups_out=groups)
     refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
-    built = _ext.build_module_tree(module, torch.nn.Module, refused)
+    built = _ext.build_module_tree(module, torch.nn.Module, refused, True)
     if built is None:
         return None
-    tree, names, tensors, num_params = built
-    if names != [n for n, _ in state] or not all(a is b for a, b in zip(tensors, (t for _, t in state))):
-        return None
-    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module, groups), {})
+    kinds, groups = fsdp._fsdp2_scan(module, named_modules=zip(built[4], built[5]))
+    fsdp.fsdp2_prepare(module, kinds, groups)
+    if not built[0].check(module):  # (a group was resharded: its parameters' slots hold the shards again)
+        built = _ext.build_module_tree(module, torch.nn.Module, refused, True)
+        if built is None:
+            return None
+    tree, names, tensors, num_params, paths, modules = built
+    # Where the parameters are the groups' sharded ones, all of them, the walk names them in the traversal's
+    # order, then the buffers: the record's. Else the walk's own naming decides (what it raises, this raises).
+    managed = {id(fp.sharded_param) for _, _, group in groups for fp in group.fsdp_params}
+    if set(map(id, itertools.islice(tensors, num_params))) != managed:
+        params = list(zip(names[:num_params], tensors[:num_params]))
+        state, _ = fsdp.fsdp2_name(groups, params, zip(names[num_params:], tensors[num_params:]), False)
+        if len(state) != len(names) or not all(a is b for a, b in zip(tensors, (t for _, t in state))):
+            return None  # (a parameter no group manages before a managed one: named after them, out of order)
+    kept: dict[str, Any] = {"paths": dict(zip(map(id, modules), paths))}
+    entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module, groups), kept)
     return entry
 
 
-def _recorded_fsdp2_shard_info(module: Any) -> Optional[dict[str, Any]]:
-    """fsdp_shard_info() of an FSDP2 root whose recorded traversal is valid, as its record last computed it,
-    while its parameters' FSDPParams are the same objects and their padded shards (`_sharded_param_data`)
-    the same tensors on the same storages, viewed the same way, whatever memory an offload left them (one
-    C++ check). The info is read from those and from what an FSDPParam keeps for its life: its original
-    shape, placements and mesh. None where that does not apply (the caller computes it). Every plan miss
-    of an FSDP2 target asks it: with gradients copied, each step (its new gradients are a new target), and
-    computing it reads every parameter in Python."""
+def _recorded_fsdp2_shard_info(module: Any) -> Optional[tuple[dict[str, Any], str]]:
+    """fsdp_shard_info() of an FSDP2 root whose recorded traversal is valid, and its JSON, as its record last
+    computed them, while its parameters' FSDPParams are the same objects and their padded shards
+    (`_sharded_param_data`) the same tensors on the same storages, viewed the same way, whatever memory an
+    offload left them (one C++ check). The info is read from those and from what an FSDPParam keeps for its
+    life: its original shape, placements and mesh. None where that does not apply (the caller computes it).
+    Every plan miss of an FSDP2 target asks it: with gradients copied, each step (its new gradients are a new
+    target), and computing it reads every parameter in Python."""
     if _ext is None or not isinstance(module, torch.nn.Module) or not fsdp.is_fsdp2_root(module):
         return None
     entry = _fsdp2_trees.get(module)
@@ -350,12 +373,16 @@ def _recorded_fsdp2_shard_info(module: Any) -> Optional[dict[str, Any]]:
     params = [fp for _, _, group in groups for fp in group.fsdp_params]
     shards = [fp._sharded_param_data for fp in params]
     ids = _ext.object_ids(params)
-    kept = entry[4].get("shard_info")  # (one read: (ids, record, info), replaced whole by another thread)
+    kept = entry[4].get("shard_info")  # (one read: (ids, record, info, text), replaced whole by another thread)
     if kept is not None and kept[0] == ids and kept[1] is not None and kept[1].same_views(shards):
-        return kept[2]
-    info = fsdp.fsdp_shard_info(module)
-    entry[4]["shard_info"] = (ids, _ext.record(shards), info)
-    return info
+        return kept[2], kept[3]
+    # From the groups and the modules' paths as recorded (valid: the traversal checked unchanged; the record
+    # was made only of an FSDP2 module mixing no other wrapper), where the record still has them.
+    paths = entry[4].pop("paths", None)
+    info = fsdp.fsdp2_shard_info(groups, paths) if paths is not None else fsdp.fsdp_shard_info(module)
+    text = fsdp.shard_info_json(info)
+    entry[4]["shard_info"] = (ids, _ext.record(shards), info, text)
+    return info, text
 
 
 def _tree_tensors(entry: tuple[Any, list[str], int], module: torch.nn.Module,

@@ -23,6 +23,7 @@ Only local shards are touched: no ``summon_full_params``, no collective.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import Any, Iterable, Iterator
@@ -135,11 +136,12 @@ def _reject_other_wrappers(module: nn.Module, strategy: str, kinds: list[nn.Modu
 
 
 def _plain_tensors(
-    module: nn.Module, managed: set[int], include_grads: bool, params: list[tuple[str, nn.Parameter]]
+    managed: set[int], include_grads: bool, params: list[tuple[str, nn.Parameter]],
+    buffers: Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """Parameters no FSDP unit manages (ignored or outside every unit) plus all buffers: replicated state;
-    and their gradients. DTensors are listed as such (the core copies their local shards). params: the
-    module's named_parameters(remove_duplicate=False)."""
+    and their gradients. DTensors are listed as such (the core copies their local shards). params, buffers:
+    the module's named_parameters and named_buffers (remove_duplicate=False)."""
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     # Every name of a tied tensor is listed, as the core does for plain modules, so that a twin is checked
@@ -150,7 +152,7 @@ def _plain_tensors(
         out.append((_clean(name), p))
         if include_grads and p.grad is not None:
             grads.append((f"{_clean(name)}.grad", p.grad))
-    for name, b in module.named_buffers(remove_duplicate=False):
+    for name, b in buffers:
         out.append((_clean(name), b))
     return out, grads
 
@@ -239,8 +241,8 @@ def _fsdp1_named(module: nn.Module, *, include_grads: bool,
                 managed.add(id(p))
         if include_grads and fp.grad is not None:
             grads.append((f"{name}.grad", fp.grad))
-    plain, plain_grads = _plain_tensors(module, managed, include_grads,
-                                        list(module.named_parameters(remove_duplicate=False)))
+    plain, plain_grads = _plain_tensors(managed, include_grads, list(module.named_parameters(remove_duplicate=False)),
+                                        module.named_buffers(remove_duplicate=False))
     return out + plain, grads + plain_grads
 
 
@@ -274,14 +276,17 @@ def _groups_of(named_modules: Iterable[tuple[str, nn.Module]],
                 yield name, m, g  # type: ignore[misc]
 
 
-def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None
+def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None,
+                named_modules: Iterable[tuple[str, nn.Module]] | None = None
                 ) -> tuple[list[nn.Module], list[tuple[str, nn.Module, Any]]]:
     """_one_of_each_class(module) and list(_fsdp2_groups(module, paths)) in one walk of the modules (a walk in
-    Python costs about 2 us a module: a 65536-expert model's first call made seven)."""
+    Python costs about 2 us a module: a 65536-expert model's first call made seven). named_modules: what
+    module.named_modules() yields, where the caller has it (a recorded traversal's): the module is not walked."""
     kinds: dict[type, nn.Module] = {}
+    found = module.named_modules() if named_modules is None else named_modules
 
     def walk() -> Iterator[tuple[str, nn.Module]]:
-        for name, m in module.named_modules():
+        for name, m in found:
             kinds[type(m)] = m
             yield name, m
 
@@ -370,22 +375,36 @@ def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True
     # `reshard` is accepted for symmetry with FSDP1 and ignored (see below). groups_out: given the groups
     # (_fsdp2_groups') found by the walk.
     kinds, groups = _fsdp2_scan(module)
+    fsdp2_prepare(module, kinds, groups)
+    if groups_out is not None:
+        groups_out.extend(groups)
+    params = list(module.named_parameters(remove_duplicate=False))
+    return fsdp2_name(groups, params, module.named_buffers(remove_duplicate=False), include_grads)
+
+
+def fsdp2_prepare(module: nn.Module, kinds: list[nn.Module], groups: list[tuple[str, nn.Module, Any]]) -> None:
+    """What naming an FSDP2 module's tensors asks first, _fsdp2_scan's findings given: that it is one and mixes
+    no other wrapper (else OffloadError), and every group sharded (an idle unsharded one is resharded: while a
+    group is unsharded its registered parameters are the unsharded tensors, so the shards could not be named
+    the same way, for a read or a write). The module's parameters are to be read after this."""
     if not _has(kinds, _fsdp2_class()):
         raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
     _reject_other_wrappers(module, "fsdp2", kinds)
-    if groups_out is not None:
-        groups_out.extend(groups)
+    reshard_idle(groups)
+
+
+def fsdp2_name(groups: list[tuple[str, nn.Module, Any]], params: list[tuple[str, nn.Parameter]],
+               buffers: Iterable[tuple[str, torch.Tensor]], include_grads: bool
+               ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(state, grads) of an FSDP2 module (see fsdp2_named_tensors) from its groups (fsdp2_prepare()d), its
+    named_parameters and named_buffers (remove_duplicate=False), walked or recorded."""
     by_param: dict[int, Any] = {}
-    for path, m, group in groups:
-        # Always, reads too: while a group is unsharded its registered parameters are the unsharded
-        # tensors, so the shards could not be named the same way as for a write.
-        _fsdp2_ensure_sharded(path, m, group)
+    for _, _, group in groups:
         for fsdp_param in group.fsdp_params:
             by_param[id(fsdp_param.sharded_param)] = fsdp_param
     out: list[tuple[str, torch.Tensor]] = []
     grads: list[tuple[str, torch.Tensor]] = []
     managed: set[int] = set()
-    params = list(module.named_parameters(remove_duplicate=False))
     for name, p in params:
         fsdp_param = by_param.get(id(p))
         if fsdp_param is None:
@@ -408,7 +427,7 @@ def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True
         raise OffloadError(
             f"{missing} fully_shard parameter(s) are not registered on the module, so they cannot be named"
         )
-    plain, plain_grads = _plain_tensors(module, managed, include_grads, params)
+    plain, plain_grads = _plain_tensors(managed, include_grads, params, buffers)
     return out + plain, grads + plain_grads
 
 
@@ -448,45 +467,73 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
             }
         info = {"kind": "fsdp1", "world_size": world, "rank": rank, "flat_params": units}
     elif fsdp2 and not fsdp1:
-        params: dict[str, Any] = {}
-        world, rank = 1, 0
-        # Named through the owning module rather than named_parameters(): that would show an unsharded
-        # root's plain tensors, and this function must not reshard (it only reads). The groups are all found
-        # (the walk filled `paths`) before the first is read.
-        for _, _, group in groups:
-            for fp in group.fsdp_params:
-                info_ = fp._module_info
-                path = paths.get(id(info_.module), "?")
-                params[f"{path}.{info_.param_name}" if path else info_.param_name] = fp
-        # A model's parameters share a few meshes, placements and dtypes: each is read once (a mesh's size and
-        # rank cost microseconds each, a third of this function's time per parameter before).
-        coords: dict[int, tuple[int, int]] = {}
-        placement_names: dict[Any, list[str]] = {}
-        dtype_names: dict[torch.dtype, str] = {}
-        for name, fp in list(params.items()):
-            mesh = fp.mesh_info.mesh
-            found = coords.get(id(mesh))  # (every mesh is alive for the whole loop: ids are not reused)
-            if found is None:
-                found = coords[id(mesh)] = (mesh.size(), mesh.get_rank())
-            world, rank = found
-            placements = fp._sharding_spec.placements
-            strs = placement_names.get(placements)
-            if strs is None:
-                strs = placement_names[placements] = [str(pl) for pl in placements]
-            dtype = fp._sharded_param_data.dtype
-            dtype_name = dtype_names.get(dtype)
-            if dtype_name is None:
-                dtype_name = dtype_names[dtype] = str(dtype)
-            params[name] = {
-                "global_shape": list(fp._orig_size),
-                "padded_local_shape": list(fp.padded_sharded_param_size),
-                "placements": strs,  # (shared: the dict is only ever dumped)
-                "dtype": dtype_name,
-            }
-        info = {"kind": "fsdp2", "world_size": world, "rank": rank, "params": params}
+        info = fsdp2_shard_info(groups, paths)
     else:
         raise OffloadError(f"{type(module).__name__} is not (only) FSDP1 or FSDP2")
     return info
+
+
+def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: dict[int, str]) -> dict[str, Any]:
+    """fsdp_shard_info() of an FSDP2 module from its groups and every module's path by id (_fsdp2_scan's)."""
+    params: dict[str, Any] = {}
+    world, rank = 1, 0
+    # Named through the owning module rather than named_parameters(): that would show an unsharded
+    # root's plain tensors, and this function must not reshard (it only reads). The groups are all found
+    # (the walk filled `paths`) before the first is read.
+    for _, _, group in groups:
+        for fp in group.fsdp_params:
+            info_ = fp._module_info
+            path = paths.get(id(info_.module), "?")
+            params[f"{path}.{info_.param_name}" if path else info_.param_name] = fp
+    # A model's parameters share a few meshes and layouts: each mesh's coordinates are read once (a mesh's
+    # size and rank cost microseconds each), and parameters of one layout (shape, padded shard, placements,
+    # dtype) share one dict, made once (only ever compared and dumped, see shard_info_json).
+    coords: dict[int, tuple[int, int]] = {}
+    layouts: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for name, fp in list(params.items()):
+        mesh = fp.mesh_info.mesh
+        found = coords.get(id(mesh))  # (every mesh is alive for the whole loop: ids are not reused)
+        if found is None:
+            found = coords[id(mesh)] = (mesh.size(), mesh.get_rank())
+        world, rank = found
+        placements = fp._sharding_spec.placements
+        dtype = fp._sharded_param_data.dtype
+        key = (fp._orig_size, fp.padded_sharded_param_size, placements, dtype)
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = {
+                "global_shape": list(fp._orig_size),
+                "padded_local_shape": list(fp.padded_sharded_param_size),
+                "placements": [str(pl) for pl in placements],
+                "dtype": str(dtype),
+            }
+        params[name] = layout
+    return {"kind": "fsdp2", "world_size": world, "rank": rank, "params": params}
+
+
+def shard_info_json(info: dict[str, Any]) -> str:
+    """``json.dumps(info, sort_keys=True, default=str)``, the text a layout keeps and compares, of one part's
+    shard info; made without the encoder walking an FSDP2 info's per-parameter dicts (about 2 us each), whose
+    few distinct layouts are dumped once and joined under the sorted names."""
+    params = info.get("params") if info.get("kind") == "fsdp2" else None
+    if (not isinstance(params, dict) or not all(type(k) is str for k in info)
+            or not all(type(k) is str for k in params)):
+        return json.dumps(info, sort_keys=True, default=str)
+    encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
+    texts: dict[int, str] = {}
+    items: list[str] = []
+    for name, layout in sorted(params.items(), key=_first):
+        text = texts.get(id(layout))
+        if text is None:  # (the layouts are alive, held by params: ids are not reused)
+            text = texts[id(layout)] = json.dumps(layout, sort_keys=True, default=str)
+        items.append(f"{encode(name)}: {text}")
+    fields = [f"{encode(key)}: " + ("{" + ", ".join(items) + "}" if key == "params" else
+                                    json.dumps(info[key], sort_keys=True, default=str)) for key in sorted(info)]
+    return "{" + ", ".join(fields) + "}"
+
+
+def _first(item: tuple[str, Any]) -> str:
+    return item[0]
 
 
 # -------------------------------------------------------------------------------------- the strategies
