@@ -177,7 +177,8 @@ def test_the_cpp_bind_finds_a_tensor_past_its_storage_as_the_python_one_does(mon
     assert "b: its storage holds 24 bytes but the tensor needs 64" in extent_problem(fast.layout)
 
 
-@pytest.mark.parametrize("case", ["duplicate", "subclass", "meta", "conj", "neg", "quantized", "not_str", "nested"])
+@pytest.mark.parametrize("case", ["duplicate", "duplicate_text", "late_duplicate", "subclass", "meta", "conj", "neg",
+                                  "quantized", "not_str", "nested"])
 def test_what_the_cpp_bind_does_not_take_the_python_bind_decides(monkeypatch, case):
     from gpu_offload import OffloadError, storages
     if storages._ext is None:
@@ -190,6 +191,14 @@ def test_what_the_cpp_bind_does_not_take_the_python_bind_decides(monkeypatch, ca
     names, tensors = ["a", "b"], [x, torch.ones(2)]
     if case == "duplicate":
         names = ["a", "a"]
+    elif case == "duplicate_text":  # equal names, two str objects: told apart by their characters
+        names = ["ab", "".join(["a", "b"])]
+        assert names[0] is not names[1]
+    elif case == "late_duplicate":  # many names (their hashes collide in the table) and the last an equal one
+        names = [f"layers.{i}.weight" for i in range(5000)]
+        names.append("".join(["layers.", "17", ".weight"]))
+        tensors = [torch.ones(1) for _ in names]
+        assert storages._ext.bind(names[:-1], tensors[:-1], 256, 16, 65536) is not None
     elif case == "subclass":
         tensors[1] = torch.ones(2).as_subclass(Sub)
     elif case == "meta":
@@ -207,7 +216,7 @@ def test_what_the_cpp_bind_does_not_take_the_python_bind_decides(monkeypatch, ca
     assert storages._ext.bind(names, tensors, 256, 16, 65536) is None  # (not taken: nothing half-read)
     if case in ("subclass", "not_str"):
         bound = storages.bind_lists(names, tensors)
-        assert bound.record is None and bound.layout.num_tensors == 2
+        assert bound.record is None and bound.layout.num_tensors == len(tensors)
         return
     with pytest.raises(OffloadError) as fast:
         storages.bind_lists(names, tensors)

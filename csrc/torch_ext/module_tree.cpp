@@ -170,24 +170,19 @@ class Builder {
     // (Nothing in a str-keyed __dict__'s lookups runs Python code; should something have changed it, the
     // parts found before are not trusted.)
     if (version_of(dict) != facts.dict_version) return false;
+    // Each item of _parameters and _buffers recorded, and each tensor among them named, in one pass of each.
+    // named_parameters and named_buffers walk the same modules in the same order (pre-order): each module's
+    // buffers are gathered with its parameters, while its dicts are at hand, and listed after all of them.
     for (int p = 0; p < 2; ++p) {
       facts.entries_at[p] = static_cast<int32_t>(tree_.entries.size());
-      Py_ssize_t pos = 0;
-      PyObject *key, *value;
-      while (PyDict_Next(facts.parts[p], &pos, &key, &value)) {
-        tree_.entries.push_back({key, value});
-        tree_.keys.push_back(py::reinterpret_borrow<py::object>(key));
+      if (PyDict_GET_SIZE(facts.parts[p]) != 0 &&
+          !members(facts.parts[p], prefix, p == 0 ? param_names_ : buffer_names_, p == 0 ? params_ : buffers_)) {
+        return false;
       }
       facts.num_entries[p] = static_cast<int32_t>(tree_.entries.size()) - facts.entries_at[p];
     }
     tree_.modules.push_back(facts);
     if (with_modules_) add_module(module, prefix);
-    // named_parameters and named_buffers walk the same modules in the same order (pre-order): each module's
-    // buffers are gathered with its parameters, while its dicts are at hand, and listed after all of them.
-    if (!members(facts.parts[0], prefix, param_names_, params_) ||
-        !members(facts.parts[1], prefix, buffer_names_, buffers_)) {
-      return false;
-    }
     // The children, in order, each held (a reference taken) until the siblings before it are visited.
     const size_t first_kid = kids_.size();
     Py_ssize_t pos = 0;
@@ -400,11 +395,14 @@ class Builder {
     module_paths_.resize(kept);
   }
 
-  // A module's tensors under `prefix` (nullptr: path_), as visit() reads it.
+  // A module's _parameters or _buffers: each item recorded (the tree's entries), and each tensor named under
+  // `prefix` (nullptr: path_), as visit() reads it.
   bool members(PyObject* dict, PyObject* prefix, std::vector<py::object>& names, std::vector<py::object>& values) {
     Py_ssize_t pos = 0;
     PyObject *name, *value;
     while (PyDict_Next(dict, &pos, &name, &value)) {
+      tree_.entries.push_back({name, value});
+      tree_.keys.push_back(py::reinterpret_borrow<py::object>(name));
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(name) || !is_tensor(value)) return false;
       names.push_back(join_prefix(prefix, name));

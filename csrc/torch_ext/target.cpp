@@ -209,8 +209,7 @@ class StorageIndex {
   }
   // The index of `s`, or `fresh` (inserted) when it has none yet.
   std::pair<int32_t, bool> find_or_insert(c10::StorageImpl* s, int32_t fresh) {
-    // Fibonacci hashing: the product's top bits.
-    size_t i = static_cast<size_t>((reinterpret_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ull) >> shift_);
+    size_t i = slot_of(s);
     while (slots_[i].first != nullptr) {
       if (slots_[i].first == s) return {slots_[i].second, false};
       i = (i + 1) & mask_;
@@ -218,8 +217,15 @@ class StorageIndex {
     slots_[i] = {s, fresh};
     return {fresh, true};
   }
+  // Asks for the slot `s` is looked up at first (the table is larger than the caches: a random access each).
+  void prefetch(const c10::StorageImpl* s) const { __builtin_prefetch(&slots_[slot_of(s)], 1); }
 
  private:
+  // Fibonacci hashing: the product's top bits.
+  size_t slot_of(const c10::StorageImpl* s) const {
+    return static_cast<size_t>((reinterpret_cast<uint64_t>(s) * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+
   std::vector<std::pair<c10::StorageImpl*, int32_t>> slots_;
   size_t mask_;
   int shift_;
@@ -272,21 +278,26 @@ bool distinct_names(py::handle names, Py_ssize_t n) {
   PyObject** items = reinterpret_cast<PyListObject*>(names.ptr())->ob_item;
   size_t capacity = 16;
   while (capacity < 2 * static_cast<size_t>(n)) capacity *= 2;
-  std::vector<PyObject*> slots(capacity, nullptr);
+  // Each slot keeps its name's hash: a probe compares the characters of names whose hashes are equal only.
+  std::vector<std::pair<PyObject*, Py_hash_t>> slots(capacity, {nullptr, 0});
+  constexpr Py_ssize_t kNameAhead = 8;  // (each name's object, scattered: its hash is cached in it)
   for (Py_ssize_t k = 0; k < n; ++k) {
+    if (k + kNameAhead < n) __builtin_prefetch(items[k + kNameAhead]);
     PyObject* name = items[k];
     if (!PyUnicode_CheckExact(name)) return false;
-    const Py_hash_t h = PyObject_Hash(name);  // (cached in the str)
+    const Py_hash_t h = PyObject_Hash(name);  // (computed once, then cached in the str)
     if (h == -1) throw py::error_already_set();
     size_t i = static_cast<size_t>(h) & (capacity - 1);
-    while (slots[i] != nullptr) {
-      if (slots[i] == name) return false;
-      const int same = PyUnicode_Compare(slots[i], name);
-      if (same == -1 && PyErr_Occurred()) throw py::error_already_set();
-      if (same == 0) return false;
+    while (slots[i].first != nullptr) {
+      if (slots[i].first == name) return false;
+      if (slots[i].second == h) {
+        const int same = PyUnicode_Compare(slots[i].first, name);
+        if (same == -1 && PyErr_Occurred()) throw py::error_already_set();
+        if (same == 0) return false;
+      }
       i = (i + 1) & (capacity - 1);
     }
-    slots[i] = name;
+    slots[i] = {name, h};
   }
   return true;
 }
@@ -299,8 +310,21 @@ TargetRecord::TargetRecord(py::handle list) {
   StorageIndex index_of(static_cast<size_t>(items.size));
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id.fetch_add(1, std::memory_order_relaxed);
+  // Three stages ahead of the tensor read: its object (2 * kAhead), its whole TensorImpl (kAhead: the checks
+  // below read lines past the first), then (kAhead / 2, once that TensorImpl's first line is in) its
+  // StorageImpl and the index slot the storage is looked up at.
+  c10::TensorImpl* staged[kAhead] = {};
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
+    c10::TensorImpl* ahead = prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
+    if (ahead != nullptr) prefetch_whole<c10::TensorImpl>(ahead);
+    staged[i % kAhead] = ahead;
+    if (c10::TensorImpl* near = staged[(i + kAhead - kAhead / 2) % kAhead]; near != nullptr && i >= kAhead / 2) {
+      // (A TensorImpl's storage member is there whether or not it has storage: null then, and a prefetch of
+      // a null or stale address never faults.)
+      const c10::StorageImpl* storage = near->unsafe_storage().unsafeGetStorageImpl();
+      __builtin_prefetch(storage);
+      index_of.prefetch(storage);
+    }
     PyObject* obj = items.data[i];
     if (!plain_tensor(obj)) throw NotPlain("item " + std::to_string(i) + " is not a plain tensor");
     c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
