@@ -490,7 +490,9 @@ def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: dict[int, 
     # dtype) share one dict, made once (only ever compared and dumped, see shard_info_json).
     coords: dict[int, tuple[int, int]] = {}
     layouts: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for name, fp in list(params.items()):
+    # (The values are replaced in place, the dict's size unchanged: no list of 65536 pairs made first, whose
+    # tuples, alive together, would each count towards the garbage collector's next pass.)
+    for name, fp in params.items():
         mesh = fp.mesh_info.mesh
         found = coords.get(id(mesh))  # (every mesh is alive for the whole loop: ids are not reused)
         if found is None:
@@ -522,7 +524,8 @@ def shard_info_json(info: dict[str, Any]) -> str:
     encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
     texts: dict[int, str] = {}
     items: list[str] = []
-    for name, layout in sorted(params.items(), key=_first):
+    for name in sorted(params):  # (names alone: a sorted list of pairs would be one tracked tuple each)
+        layout = params[name]
         text = texts.get(id(layout))
         if text is None:  # (the layouts are alive, held by params: ids are not reused)
             text = texts[id(layout)] = json.dumps(layout, sort_keys=True, default=str)
@@ -530,10 +533,6 @@ def shard_info_json(info: dict[str, Any]) -> str:
     fields = [f"{encode(key)}: " + ("{" + ", ".join(items) + "}" if key == "params" else
                                     json.dumps(info[key], sort_keys=True, default=str)) for key in sorted(info)]
     return "{" + ", ".join(fields) + "}"
-
-
-def _first(item: tuple[str, Any]) -> str:
-    return item[0]
 
 
 # -------------------------------------------------------------------------------------- the strategies
