@@ -369,15 +369,11 @@ def fsdp2_named_tensors(module: nn.Module, *, include_grads: bool, reshard: bool
     return state + grads
 
 
-def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True,
-                 groups_out: list[tuple[str, nn.Module, Any]] | None = None
+def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True
                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    # `reshard` is accepted for symmetry with FSDP1 and ignored (see below). groups_out: given the groups
-    # (_fsdp2_groups') found by the walk.
+    # `reshard` is accepted for symmetry with FSDP1 and ignored (see fsdp2_prepare).
     kinds, groups = _fsdp2_scan(module)
     fsdp2_prepare(module, kinds, groups)
-    if groups_out is not None:
-        groups_out.extend(groups)
     params = list(module.named_parameters(remove_duplicate=False))
     return fsdp2_name(groups, params, module.named_buffers(remove_duplicate=False), include_grads)
 
