@@ -24,12 +24,15 @@ Each figure in Y twice: "Y", the call's median over the median of a block of Y p
 calls; "Y paired", the median of each call's ratio to a Y pass timed right after it, the second of two
 (on a shared host whose speed drifts within a minute, the steadier of the two; the first pass absorbs
 what the call leaves behind, glibc's deferred consolidation of freed chunks and evicted caches).
+Where the garbage collector ran inside a row's timed calls, the row says how often, by generation
+("gc passes 0/1/2", JSON "gc_passes"): a call should keep no object per tensor alive.
 Nothing is asserted; this prints a table (and writes JSON with --json).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -48,18 +51,33 @@ except ImportError:  # a version without the torch-aware helper (for before/afte
     torch_ext = None  # type: ignore[assignment]
 
 
+# The garbage collector's passes during the timed calls, by generation (see _times): a call that keeps an
+# object per tensor alive makes it run, and a pass of the oldest generation walks every object of the process.
+_gc_passes: list[int] = [0, 0, 0]
+_gc_counting = [False]
+
+
+def _count_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start" and _gc_counting[0]:
+        _gc_passes[info["generation"]] += 1
+
+
 def _times(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None, warmup: int = 2,
            y_pass: Callable[[], Any] | None = None) -> list[float] | tuple[list[float], list[float]]:
     """Seconds per call of fn (after `warmup` untimed calls). With y_pass: also the seconds of a Y pass
     timed right after each call (the second of two), as a second list (pairs taken together follow the
-    machine's drift)."""
+    machine's drift). The collector's passes inside the timed calls are added to _gc_passes."""
+    if _count_gc not in gc.callbacks:
+        gc.callbacks.append(_count_gc)
     out, ys = [], []
     for i in range(warmup + repeats):
         if setup is not None:
             setup()
+        _gc_counting[0] = i >= warmup
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
+        _gc_counting[0] = False
         if y_pass is not None:
             # Two passes, the second timed: the first takes what the call left for whoever allocates next
             # (glibc consolidates the chunks torch's allocator freed at the next large request) and caches
@@ -151,11 +169,14 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
     # copies), the device idle before it (untimed), so that no call waits on the one before it.
     settle = torch.cuda.synchronize if tensors and tensors[0].is_cuda else None
 
-    def paired(fn: Callable[[], Any], n: int, setup: Callable[[], Any] | None = None, **kw: Any) -> dict[str, float]:
+    def paired(fn: Callable[[], Any], n: int, setup: Callable[[], Any] | None = None, **kw: Any) -> dict[str, Any]:
         if settle is not None:
             before = setup
             setup = (lambda: (before(), settle())) if before is not None else settle
-        return _stat(*_times(fn, n, setup=setup, y_pass=y_pass, **kw))
+        before = list(_gc_passes)
+        stat = _stat(*_times(fn, n, setup=setup, y_pass=y_pass, **kw))
+        stat["gc_passes"] = [a - b for a, b in zip(_gc_passes, before)]  # (by generation, over the n calls)
+        return stat
 
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
@@ -329,8 +350,10 @@ def _print(results: dict[str, Any]) -> None:
               f"({r['Y']['min_ms']:.2f}-{r['Y']['max_ms']:.2f})")
         for name, v in r.items():
             if isinstance(v, dict) and name != "Y":
+                passes = v.get("gc_passes") or [0, 0, 0]
+                gc_note = f"   gc passes {'/'.join(map(str, passes))}" if any(passes) else ""
                 print(f"  {name:28s} {v['median_ms']:9.3f} ms  {v['Y']:7.2f} Y  {v['Y_paired']:7.2f} Y paired   "
-                      f"min-max {v['min_ms']:.3f}-{v['max_ms']:.3f}")
+                      f"min-max {v['min_ms']:.3f}-{v['max_ms']:.3f}{gc_note}")
     print(f"load average {results['load_average_start'][0]:.1f} -> {results['load_average_end'][0]:.1f}; "
           f"torch_ext: {results['torch_ext']}")
 
