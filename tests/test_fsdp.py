@@ -499,6 +499,50 @@ def test_an_fsdp2_models_first_call_keeps_no_object_per_parameter_alive() -> Non
     run_ranks(_check_fsdp2_first_call_collects_nothing, 1)
 
 
+def _check_fsdp2_params_no_group_manages(rank: int, world_size: int) -> None:
+    # Parameters fully_shard was told to ignore are named after the managed ones, as the walk names them: a
+    # record whose traversal lists one before a managed one reads otherwise, and is not kept (every call
+    # walks); one listing them last reads the same, and is kept. Both read what the walk reads, snapshot and
+    # cycle through offload and reload with their bytes.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gpu_offload import adapters, torch_ext
+
+    recorded = torch_ext.ext is not None and torch_ext.ext.MODULE_TREE
+    mesh = init_device_mesh("cpu", (world_size,))
+    for first in (True, False):
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model.tail = nn.Module()
+        # (A module's own parameters come before its children's: the root's first, the last child's last.)
+        owner = model if first else model.tail
+        owner.register_parameter("ignored", nn.Parameter(torch.randn(3)))
+        fully_shard(model.body[0], mesh=mesh)
+        fully_shard(model, mesh=mesh, ignored_params={owner.ignored})
+        adapters._fsdp2_trees.clear()
+        walked = _walked(model, False)
+        name = "ignored" if first else "tail.ignored"
+        assert [n for n, _ in walked][-1] == name, walked
+        assert [n for n, _ in model.named_parameters()].index(name) == (0 if first else 4)
+        assert _read(model, False) == walked
+        if recorded:
+            assert (model in adapters._fsdp2_trees) is (not first), first
+        want = {n: _local(t).detach().clone() for n, t in fsdp_adapter.fsdp2_named_tensors(model, include_grads=False)}
+        snap = go.snapshot(model).wait()
+        assert all(torch.equal(_local(t), want[n]) for n, t in snap.tensors().items())
+        snap.free()
+        go.offload(model)
+        go.reload(model)
+        for n, t in fsdp_adapter.fsdp2_named_tensors(model, include_grads=False):
+            assert torch.equal(_local(t), want[n]), n
+
+
+def test_an_fsdp2_models_ignored_parameters_are_named_as_the_walk_names_them() -> None:
+    run_ranks(_check_fsdp2_params_no_group_manages, 1)
+
+
 def test_shard_info_json_is_json_dumps_sorted() -> None:
     import json
 
