@@ -173,9 +173,10 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
         if settle is not None:
             before = setup
             setup = (lambda: (before(), settle())) if before is not None else settle
-        before = list(_gc_passes)
+        # (Its own name: `before` above is the setup the CUDA lambda calls, read when the lambda runs.)
+        passes_before = list(_gc_passes)
         stat = _stat(*_times(fn, n, setup=setup, y_pass=y_pass, **kw))
-        stat["gc_passes"] = [a - b for a, b in zip(_gc_passes, before)]  # (by generation, over the n calls)
+        stat["gc_passes"] = [a - b for a, b in zip(_gc_passes, passes_before)]  # (by generation, over the n calls)
         return stat
 
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
