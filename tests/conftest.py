@@ -111,11 +111,12 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
     target records, module traversals, batched resizes and watches), and again with the pure-Python path
     it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0)."""
     from gpu_offload import adapters, plan, registry, storages
+    from gpu_offload.adapters import fsdp
 
     if request.param == "helper" and torch_ext.ext is None:
         pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
     if request.param == "python":
-        for module in (plan, registry, adapters, storages):
+        for module in (plan, registry, adapters, storages, fsdp):
             monkeypatch.setattr(module, "_ext", None)
     plan.clear_cache()
     yield request.param

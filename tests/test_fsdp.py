@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpu_offload as go
+from gpu_offload import torch_ext
 from gpu_offload.adapters import fsdp as fsdp_adapter
 from helpers_dist import DecoderLayer, batch, build_qwen2, lm_loss, param_bytes, run_ranks
 
@@ -543,7 +544,7 @@ def test_an_fsdp2_models_ignored_parameters_are_named_as_the_walk_names_them() -
     run_ranks(_check_fsdp2_params_no_group_manages, 1)
 
 
-def test_shard_info_json_is_json_dumps_sorted() -> None:
+def test_shard_info_json_is_json_dumps_sorted(checks: str) -> None:
     import json
 
     layout = {"global_shape": [2, 3], "padded_local_shape": [2, 3], "placements": ["Shard(dim=0)"],
@@ -553,6 +554,11 @@ def test_shard_info_json_is_json_dumps_sorted() -> None:
         {"kind": "fsdp2", "world_size": 2, "rank": 1,
          "params": {"b.weight": layout, "a.é.深": other, "a.weight": layout, "z\n\"q": other, "": layout}},
         {"kind": "fsdp2", "world_size": 1, "rank": 0, "params": {}},
+        # (printable ASCII names alone: the helper's own join, byte order with prefixes first)
+        {"kind": "fsdp2", "world_size": 4, "rank": 3,
+         "params": {"a.b": layout, "a": other, "a0": layout, "A": other, "a b": layout, "~": dict(layout),
+                    "a.b.c": other, "-": layout}},
+        {"kind": "fsdp2", "params": {"del\x7f": layout, "tab\t": other, "ok": layout}},
         {"kind": "fsdp2", "params": {"x": {"nested": {"b": 1, "a": [1.5, None, True]}}}, "extra": object()},
         {"kind": "fsdp1", "world_size": 1, "rank": 0, "flat_params": {"": {"padding": 0}}},
         {"kind": "fsdp2", "params": {1: layout}},  # (keys not str: json.dumps decides, as before)
@@ -566,6 +572,38 @@ def test_shard_info_json_is_json_dumps_sorted() -> None:
                 fsdp_adapter.shard_info_json(info)
             continue
         assert fsdp_adapter.shard_info_json(info) == want
+
+
+def test_the_helpers_json_join_is_json_dumps_or_declines() -> None:
+    import json
+    import random
+
+    ext = torch_ext.ext
+    if ext is None:
+        pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
+    rng = random.Random(0)
+    values = [{"v": i, "s": [i, "x"]} for i in range(5)]
+    alphabet = "ab.0_-A~ Z[]{}"
+    mapping = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))): rng.choice(values)
+               for _ in range(2000)}
+    asked: list[int] = []
+
+    def text_of(value: object) -> str:
+        asked.append(id(value))
+        return json.dumps(value, sort_keys=True)
+
+    assert ext.json_object_of_texts(mapping, text_of) == json.dumps(mapping, sort_keys=True)
+    assert sorted(asked) == sorted(set(asked)) and len(asked) == len({id(v) for v in mapping.values()})
+    assert ext.json_object_of_texts({}, text_of) == "{}"
+    # Names json.dumps escapes, keys that are not str, a text that is not one: declined (None), for Python.
+    for bad in ('q"', "b\\", "c\n", "d\x7f", "é", "\x00"):
+        assert ext.json_object_of_texts({"ok": 1, bad: 2}, lambda v: "1") is None
+    assert ext.json_object_of_texts({1: 2}, lambda v: "1") is None
+    assert ext.json_object_of_texts({"a": 1}, lambda v: 1) is None
+    assert ext.json_object_of_texts({"a": 1}, lambda v: "é") is None
+    assert ext.json_object_of_texts([("a", 1)], lambda v: "1") is None
+    with pytest.raises(ZeroDivisionError):
+        ext.json_object_of_texts({"a": 1}, lambda v: 1 / 0)
 
 
 # -- DTensor targets: their plans are of the local tensors, and valid only for the very same DTensors --------

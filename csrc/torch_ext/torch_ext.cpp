@@ -313,6 +313,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         "(remove_duplicate=False), or None where the traversal is not a plain one or a module is an instance "
         "of a `refused` class. with_modules: (tree, names, tensors, num_params, paths, modules), the last two "
         "what named_modules() yields (each module once, under the path it is first reached by).");
+  m.def("json_object_of_texts", &json_object_of_texts, py::arg("mapping"), py::arg("text_of"),
+        "json.dumps(mapping, sort_keys=True) where each value's JSON is text_of(value), asked once per distinct "
+        "value; None unless every key is a str written as is (printable ASCII, no quote or backslash).");
   m.attr("OPTIMIZER_TREE") = optimizer_tree_supported();
   bind_optimizer_tree(m);
   m.def("build_optimizer_tree", &build_optimizer_tree, py::arg("optimizer"),

@@ -274,4 +274,10 @@ bool optimizer_tree_supported();
 py::object build_optimizer_tree(py::handle optimizer);  // (tree, names, tensors) | None
 void bind_optimizer_tree(py::module_& m);
 
+// (json_text.cpp)
+// json.dumps(mapping, sort_keys=True)'s text where each value's JSON is text_of(value), asked once per distinct
+// value (by identity); None unless every key is a str json.dumps writes as is (printable ASCII, no quote or
+// backslash).
+py::object json_object_of_texts(py::handle mapping, py::handle text_of);
+
 }  // namespace gpu_offload::torch_ext
