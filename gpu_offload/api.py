@@ -304,8 +304,7 @@ def _drop_plan(grads: Any, state: _plan.TargetPlan) -> Optional[_plan.Resolved]:
     plan = resolved.plan
     if plan.record is None or not plan.live or plan.released or plan.all_resizable(resolved) is not None:
         return None
-    keys = plan.live_columns()[0]
-    if not set(state.keys).isdisjoint(keys) or _registry.offloaded_any(keys):
+    if not plan.apart_from(state) or _registry.offloaded_any(plan.live_columns()[0]):
         return None
     return resolved
 

@@ -326,6 +326,8 @@ class TargetPlan:
         self._split: dict[tuple[int, ...], tuple[CopyPlans, CopyPlans]] = {}
         self._lock = _fork.new_lock()
         self._live_columns: Optional[tuple[list[int], list[int], list[Any], list[int], list[str]]] = None
+        # The last plan none of whose storages is one of this plan's live ones (see apart_from).
+        self._apart_from: Optional["weakref.ref[TargetPlan]"] = None
         # Their sizes, devices, host offsets and names alone, and the refusal messages made for them by kind
         # (the layout's: shared by plans of one layout, see _rebound).
         self._live_layout: Optional[tuple[list[int], list[Any], list[int], list[str]]] = (
@@ -420,6 +422,18 @@ class TargetPlan:
 
     def _same_names(self, names: list[str]) -> bool:
         return self.names is names or self.names == names
+
+    def apart_from(self, other: "TargetPlan") -> bool:
+        """Whether no live storage of this plan is one of `other`'s. Both plans' keys are fixed for their lives,
+        so the answer is kept for the last `other` found apart: an offload(grads="drop") asks it of the
+        gradients' plan and the state's every cycle, a set of one key per storage made each time."""
+        ref = self._apart_from
+        if ref is not None and ref() is other:
+            return True
+        apart = set(other.keys).isdisjoint(self.live_columns()[0])
+        if apart:
+            self._apart_from = weakref.ref(other)
+        return apart
 
     @property
     def keys(self) -> list[int]:

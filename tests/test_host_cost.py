@@ -1193,6 +1193,31 @@ def test_dropped_gradients_come_back_zeroed_through_their_plan(arena, monkeypatc
         assert calls == []
 
 
+def test_gradients_found_apart_from_one_state_are_asked_again_of_a_state_sharing_one(arena, checks):
+    # The gradients' plan remembers the state's plan it was found apart from (no storage shared), and that
+    # answer is for that plan alone: a new state that shares a gradient's storage (a parameter made a view
+    # of it) is asked again, so that gradient is copied with the state and comes back as it was, not zeroed.
+    m = _model()
+    _with_grads(m)
+    m[1].extra = torch.nn.Parameter(torch.zeros(3), requires_grad=False)  # (state without a grad)
+    for _ in range(2):  # (the gradients' plan cached, found apart from the state's)
+        go.offload(m, grads="drop", arena=arena)
+        go.reload(m)
+    grads = [p.grad for p in m.parameters() if p.grad is not None]
+    for g in grads:
+        g.normal_()
+    shared = m[0].inner.weight.grad
+    before = shared.detach().clone()
+    m[1].extra = torch.nn.Parameter(shared.detach().view(-1), requires_grad=False)  # (its storage)
+    now = [p.grad for p in m.parameters() if p.grad is not None]
+    assert len(now) == len(grads) and all(a is b for a, b in zip(now, grads))  # (the same gradients' plan)
+    go.offload(m, grads="drop", arena=arena)
+    go.reload(m)
+    assert torch.equal(m[0].inner.weight.grad, before) and torch.equal(m[1].extra, before.view(-1))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads if g is not shared)
+    assert go.offloaded_bytes() == 0
+
+
 @needs_ext
 def test_a_dropped_gradient_refuses_access_either_way(arena, monkeypatch, checks):
     # Touching a dropped gradient raises, naming it (it used to read released memory), through the
