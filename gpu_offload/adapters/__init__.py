@@ -21,7 +21,6 @@ special case here.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import weakref
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
@@ -172,22 +171,16 @@ def shard_info(target: Any) -> Optional[str]:
     if not info:
         return None
     if not kept:
-        return _joined_json(texts)
+        return fsdp.joined_json(texts)
     # The same kept dicts under the same indices: the same JSON.
     key = tuple(info.items())
     last = _last_kept_shard_info[0]  # (one read: the pair another thread may replace whole)
     if last is not None and len(last[0]) == len(key) and all(
             a[0] == b[0] and a[1] is b[1] for a, b in zip(last[0], key)):
         return last[1]
-    text = _joined_json(texts)
+    text = fsdp.joined_json(texts)
     _last_kept_shard_info[0] = (key, text)  # (holds the dicts: an equal identity is that very dict)
     return text
-
-
-def _joined_json(texts: dict[str, str]) -> str:
-    """json.dumps(parts, sort_keys=True) of a dict whose values' JSON is `texts` (str keys)."""
-    encode = json.encoder.encode_basestring_ascii
-    return "{" + ", ".join(f"{encode(key)}: {texts[key]}" for key in sorted(texts)) + "}"
 
 
 # The last JSON made of kept infos alone, with them: (((index, info), ...), text), or None.

@@ -522,10 +522,10 @@ def shard_info_json(info: dict[str, Any]) -> str:
             or not all(type(k) is str for k in params)):
         return json.dumps(info, sort_keys=True, default=str)
     dump = functools.partial(json.dumps, sort_keys=True, default=str)
-    encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
     # (The helper's join: the names sorted as bytes into one buffer, 15-20 ms for 65536 of them, not 35-55.)
     joined = _ext.json_object_of_texts(params, dump) if _ext is not None else None
     if joined is None:
+        encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
         texts: dict[int, str] = {}
         items: list[str] = []
         for name in sorted(params):  # (names alone: a sorted list of pairs would be one tracked tuple each)
@@ -535,8 +535,13 @@ def shard_info_json(info: dict[str, Any]) -> str:
                 text = texts[id(layout)] = dump(layout)
             items.append(f"{encode(name)}: {text}")
         joined = "{" + ", ".join(items) + "}"
-    fields = [f"{encode(key)}: " + (joined if key == "params" else dump(info[key])) for key in sorted(info)]
-    return "{" + ", ".join(fields) + "}"
+    return joined_json({key: joined if key == "params" else dump(info[key]) for key in info})
+
+
+def joined_json(texts: dict[str, str]) -> str:
+    """``json.dumps(d, sort_keys=True)`` of a dict with str keys whose values' JSON texts are `texts`."""
+    encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
+    return "{" + ", ".join(f"{encode(key)}: {texts[key]}" for key in sorted(texts)) + "}"
 
 
 # -------------------------------------------------------------------------------------- the strategies
