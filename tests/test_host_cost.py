@@ -265,6 +265,37 @@ def test_a_recorded_traversal_gives_named_modules_as_torch_does(checks):
     assert len(torch_ext.ext.build_module_tree(m, torch.nn.Module, ())) == 4  # (without: the 4-tuple as before)
 
 
+def _uneven_siblings(first_big: bool) -> torch.nn.Module:
+    # The record sizes its columns from a module's first child when it has four or more (models repeat their
+    # blocks), and cuts down what goes unused: a first child far larger than its siblings, or far smaller.
+    big = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)) for _ in range(30)))
+    small = [torch.nn.Linear(1, 1, bias=False) for _ in range(5)]
+    kids = [big, *small] if first_big else [*small, big]
+    return torch.nn.Sequential(torch.nn.ModuleList(kids), torch.nn.Linear(1, 1))
+
+
+@needs_ext
+@pytest.mark.parametrize("first_big", [True, False], ids=["first child big", "first child small"])
+def test_a_record_of_uneven_siblings_reads_as_torch_and_sees_a_change_in_the_last(arena, checks, first_big):
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    m = _uneven_siblings(first_big)
+    built = torch_ext.ext.build_module_tree(m, torch.nn.Module, (), True)
+    assert built[1] == [n for n, _ in plain_module_tensors(m, include_grads=False)]
+    assert [id(t) for t in built[2]] == [id(t) for _, t in plain_module_tensors(m, include_grads=False)]
+    assert list(zip(built[4], built[5])) == list(m.named_modules())
+    assert built[0].check(m)
+    for _ in range(2):  # recorded, then served from the record
+        truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+    m[0][5] = torch.nn.Linear(1, 1)  # the last sibling
+    assert not built[0].check(m)
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -193,13 +194,17 @@ class Builder {
       kids_.emplace_back(name, child);
     }
     const size_t num_kids = kids_.size() - first_kid;
+    kid_parts_.resize(kids_.size());  // (filled by warm_ahead, a few children ahead of each visit)
     for (size_t k = 0; k < num_kids; ++k) {
       if (k + 8 < num_kids) __builtin_prefetch(kids_[first_kid + k + 8].second, 1);
       held_.push_back(py::reinterpret_borrow<py::object>(kids_[first_kid + k].first));
       held_.push_back(py::reinterpret_borrow<py::object>(kids_[first_kid + k].second));
     }
+    Sizes before_first{};
     for (size_t k = 0; k < num_kids; ++k) {
       warm_ahead(first_kid, num_kids, k);
+      if (k == 0) before_first = sizes();
+      if (k == 1) reserve_like_first(before_first, num_kids - 1);
       // (kids_ may grow, and move, while a child is visited: copied out first.)
       const auto [kid_name, kid] = kids_[first_kid + k];
       if (prefix == nullptr && PyUnicode_IS_ASCII(kid_name)) {
@@ -216,6 +221,7 @@ class Builder {
       if (!visit(kid, child_prefix.ptr(), depth + 1, false)) return false;
     }
     kids_.resize(first_kid);
+    kid_parts_.resize(first_kid);
     held_.resize(held_.size() - 2 * num_kids);
     return true;
   }
@@ -237,6 +243,10 @@ class Builder {
     give(names, num_params, buffer_names_);
     give(tensors, 0, params_);
     give(tensors, num_params, buffers_);
+    // (Where reserve_like_first guessed far too much.)
+    shrink_if_slack(tree_.modules);
+    shrink_if_slack(tree_.entries);
+    shrink_if_slack(tree_.keys);
     auto* tree = new ModuleTree(std::move(tree_));
     py::object handle = py::cast(tree, py::return_value_policy::take_ownership);
     if (!with_modules_) return py::make_tuple(handle, names, tensors, num_params);
@@ -253,7 +263,7 @@ class Builder {
   // ahead of the one that reads what it asked for. Prefetches only: visit() reads and checks everything
   // itself, so a hint that went wrong costs a miss, nothing else.
   void warm_ahead(size_t first, size_t n, size_t k) {
-    constexpr size_t kObject = 8, kDict = 6, kDictTable = 4, kParts = 2;
+    constexpr size_t kObject = 10, kDict = 8, kDictTable = 6, kParts = 4, kPartTables = 2, kValues = 1;
     auto kid = [&](size_t ahead) { return kids_[first + k + ahead].second; };
     if (k + kObject < n) {
       char* object = reinterpret_cast<char*>(kid(kObject));
@@ -269,14 +279,61 @@ class Builder {
         __builtin_prefetch(reinterpret_cast<PyDictObject*>(dict)->ma_values);
       }
     }
+    // The parts are looked up once, here, and kept for the two stages after (borrowed: no Python code runs
+    // during the build, and the modules hold them); visit() looks them up again itself.
     if (k + kParts < n) {
+      std::array<PyObject*, 3>& parts = kid_parts_[first + k + kParts];
       if (PyObject* dict = instance_dict(kid(kParts))) {
-        for (PyObject* name : interned().parts) {
-          PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
-          if (part == nullptr) PyErr_Clear();
-          else __builtin_prefetch(part);
+        for (int p = 0; p < 3; ++p) {
+          parts[p] = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
+          if (parts[p] == nullptr) PyErr_Clear();
+          else __builtin_prefetch(parts[p]);  // (its type not checked yet: that would wait for the object)
         }
       }
+    }
+    if (k + kPartTables < n) {
+      for (PyObject* part : kid_parts_[first + k + kPartTables]) {
+        if (part != nullptr && PyDict_CheckExact(part)) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+      }
+    }
+    if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
+      PyObject* part = kid_parts_[first + k + kValues][0];
+      if (part != nullptr && PyDict_CheckExact(part)) {
+        Py_ssize_t pos = 0;
+        PyObject *name, *value;
+        for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
+      }
+    }
+  }
+
+  // How much the record holds so far, vector by vector (see reserve_like_first).
+  struct Sizes {
+    size_t modules, entries, params, buffers, visits;
+  };
+
+  Sizes sizes() const {
+    return {tree_.modules.size(), tree_.entries.size(), params_.size(), buffers_.size(), modules_.size()};
+  }
+
+  // Room for `more` siblings recorded like the first one was (from `at`, the sizes before it). Models repeat
+  // their blocks (layers, experts), so this sizes each vector once where growing it by doubling copied it
+  // and touched fresh pages each time (the record of 65536 one-tensor modules: 34 -> 23 ms, 5484 -> 512
+  // page faults). A guess too small leaves the vectors to grow as before; one too large is bounded by the
+  // first child's size, and cut down at the end.
+  void reserve_like_first(const Sizes& at, size_t more) {
+    if (more < 3) return;  // (two siblings say little of the rest)
+    const Sizes now = sizes();
+    auto room = [more](auto& v, size_t was, size_t is) { v.reserve(is + (is - was) * more); };
+    room(tree_.modules, at.modules, now.modules);
+    room(tree_.entries, at.entries, now.entries);
+    room(tree_.keys, at.entries, now.entries);
+    room(params_, at.params, now.params);
+    room(param_names_, at.params, now.params);
+    room(buffers_, at.buffers, now.buffers);
+    room(buffer_names_, at.buffers, now.buffers);
+    if (with_modules_) {
+      room(modules_, at.visits, now.visits);
+      room(module_paths_, at.visits, now.visits);
     }
   }
 
@@ -418,6 +475,7 @@ class Builder {
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
+  std::vector<std::array<PyObject*, 3>> kid_parts_;  // each of kids_' three parts, as warm_ahead found them
   std::string path_;  // the prefix of the module being visited, while it is ASCII (see visit)
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
   // with_modules: named_modules() (each module once, at its first visit, pre-order): paths and modules.

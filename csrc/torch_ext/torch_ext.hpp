@@ -44,6 +44,13 @@ inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObjec
 #endif
 #endif
 
+// A vector sized ahead for the most it could hold (its untouched pages cost nothing), cut down to what it holds
+// where that is far less: records keep their vectors for the target's life.
+template <typename Vector>
+void shrink_if_slack(Vector& v) {
+  if (v.capacity() > v.size() + v.size() / 2 + 64) v.shrink_to_fit();
+}
+
 // THPVariable_Check without PyObject_IsInstance for a subclass's object: torch's check asks the metaclass's
 // __instancecheck__ for anything but a plain Tensor or Parameter, a generic call that costs hundreds of ns (a
 // DTensor's: the per-parameter passes over FSDP2 models spent most of their time in it). Decided by the
