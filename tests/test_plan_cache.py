@@ -167,6 +167,34 @@ def test_the_cpp_bind_reads_what_the_python_bind_reads(monkeypatch):
     assert extent_problem(fast.layout) is None and extent_problem(slow.layout) is None
 
 
+def _orders() -> dict[str, tuple[list[str], list[torch.Tensor]]]:
+    # The C++ bind sizes its columns from the count of tensors and the first tensor's rank, and cuts down what
+    # went unused: the awkward target in other orders (a 0-dim tensor first, a 4-dim one first), and many
+    # views of one storage (one storage where as many as tensors were reserved).
+    target = _awkward_target()
+    items = list(target.items())
+    scalar_first = sorted(items, key=lambda kv: kv[1].dim())
+    deep = torch.zeros(2, 3, 4, 5)
+    base = torch.arange(300.0)
+    views = [(f"v{i}", base[i:i + 1 + i % 7]) for i in range(300)]
+    return {"reversed": items[::-1], "scalar first": scalar_first, "4-dim first": [("deep", deep)] + items,
+            "views of one storage": views}
+
+
+@pytest.mark.parametrize("order", list(_orders()))
+def test_the_cpp_bind_reads_what_the_python_bind_reads_in_any_order(monkeypatch, order):
+    items = _orders()[order]
+    fast, slow = _both_binds(monkeypatch, [n for n, _ in items], [t for _, t in items])
+    assert fast.record is not None
+    assert fast.layout.tensors == slow.layout.tensors and fast.layout.storages == slow.layout.storages
+    assert fast.layout.host_bytes == slow.layout.host_bytes and fast.keys == slow.keys
+    # And the record it keeps checks the same tensors as valid, and a changed one as not.
+    tensors = [t for _, t in items]
+    assert fast.record.check(tensors)
+    tensors[-1] = tensors[-1].clone()
+    assert not fast.record.check(tensors)
+
+
 def test_the_cpp_bind_finds_a_tensor_past_its_storage_as_the_python_one_does(monkeypatch):
     from gpu_offload.storages import extent_problem
     a, b = torch.ones(8), torch.ones(16)

