@@ -22,7 +22,6 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -194,7 +193,6 @@ class Builder {
       kids_.emplace_back(name, child);
     }
     const size_t num_kids = kids_.size() - first_kid;
-    kid_parts_.resize(kids_.size());  // (filled by warm_ahead, a few children ahead of each visit)
     for (size_t k = 0; k < num_kids; ++k) {
       if (k + 8 < num_kids) __builtin_prefetch(kids_[first_kid + k + 8].second, 1);
       held_.push_back(py::reinterpret_borrow<py::object>(kids_[first_kid + k].first));
@@ -221,7 +219,6 @@ class Builder {
       if (!visit(kid, child_prefix.ptr(), depth + 1, false)) return false;
     }
     kids_.resize(first_kid);
-    kid_parts_.resize(first_kid);
     held_.resize(held_.size() - 2 * num_kids);
     return true;
   }
@@ -279,31 +276,43 @@ class Builder {
         __builtin_prefetch(reinterpret_cast<PyDictObject*>(dict)->ma_values);
       }
     }
-    // The parts are looked up once, here, and kept for the two stages after (borrowed: no Python code runs
-    // during the build, and the modules hold them); visit() looks them up again itself.
+    // Each stage looks the parts up itself: a part found at an earlier stage is not kept, since a lookup in a
+    // dict with a key of another type may run that key's __eq__, which may free it. visit() looks them up again.
     if (k + kParts < n) {
-      std::array<PyObject*, 3>& parts = kid_parts_[first + k + kParts];
       if (PyObject* dict = instance_dict(kid(kParts))) {
-        for (int p = 0; p < 3; ++p) {
-          parts[p] = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
-          if (parts[p] == nullptr) PyErr_Clear();
-          else __builtin_prefetch(parts[p]);  // (its type not checked yet: that would wait for the object)
+        for (PyObject* name : interned().parts) {
+          PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
+          if (part == nullptr) PyErr_Clear();
+          else __builtin_prefetch(part);  // (its type not checked: that would wait for the object)
         }
       }
     }
     if (k + kPartTables < n) {
-      for (PyObject* part : kid_parts_[first + k + kPartTables]) {
-        if (part != nullptr && PyDict_CheckExact(part)) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+      if (PyObject* dict = instance_dict(kid(kPartTables))) {
+        for (PyObject* name : interned().parts) {
+          if (PyObject* part = part_of(dict, name)) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+        }
       }
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
-      PyObject* part = kid_parts_[first + k + kValues][0];
-      if (part != nullptr && PyDict_CheckExact(part)) {
-        Py_ssize_t pos = 0;
-        PyObject *name, *value;
-        for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
+      if (PyObject* dict = instance_dict(kid(kValues))) {
+        if (PyObject* part = part_of(dict, interned().parts[0])) {
+          Py_ssize_t pos = 0;
+          PyObject *name, *value;
+          for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
+        }
       }
     }
+  }
+
+  // One of a module's three parts from its __dict__, where it is an exact dict (else nullptr, no error set).
+  static PyObject* part_of(PyObject* dict, PyObject* name) {
+    PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
+    if (part == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    return PyDict_CheckExact(part) ? part : nullptr;
   }
 
   // How much the record holds so far, vector by vector (see reserve_like_first).
@@ -475,7 +484,6 @@ class Builder {
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
-  std::vector<std::array<PyObject*, 3>> kid_parts_;  // each of kids_' three parts, as warm_ahead found them
   std::string path_;  // the prefix of the module being visited, while it is ASCII (see visit)
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
   // with_modules: named_modules() (each module once, at its first visit, pre-order): paths and modules.
