@@ -296,6 +296,55 @@ def test_a_record_of_uneven_siblings_reads_as_torch_and_sees_a_change_in_the_las
     _snapshot_matches(m, arena)
 
 
+class _KeyThatFrees:
+    """A key of another type, hashed as the str `name` is: put first in a dict, it is met by a lookup of `name`
+    before `name` itself, and that lookup asks its __eq__. Once armed, that __eq__ calls `free` once, which puts
+    a copy in the dict's place (the dict itself, referenced by nobody else, is freed in the middle of the lookup
+    reading it), and answers False.
+
+    Armed only around the helper's own calls: CPython 3.11's attribute specializer makes the same kind of
+    lookup in a dict it does not hold (specialize.c, specialize_dict_access), so a Python walk meeting an armed
+    key may crash inside CPython itself, whatever this project does."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.free, self.fired = name, None, 0
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        if other == self.name and self.free is not None:
+            free, self.free = self.free, None
+            self.fired += 1
+            free()
+        return False
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["_parameters", "_buffers", "_modules"])
+def test_a_module_dict_whose_lookups_run_code_is_not_looked_up_in(arena, checks, name):
+    # The record's walk looks each child's parts up (ahead of visiting it too, for prefetches), and a check
+    # of a recorded traversal looks them up again in a __dict__ that changed. A lookup meeting this key would
+    # run Python code that frees the dict being read (a segfault, before): such a dict is not looked up in.
+    # The record refuses it, and the Python walk reads the module.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(24))
+    m = torch.nn.Sequential(experts)
+    tree = torch_ext.ext.build_module_tree(m, torch.nn.Module, ())[0]
+    key = _KeyThatFrees(name)
+    object.__setattr__(experts[12], "__dict__", {key: None, **experts[12].__dict__})
+    key.free = lambda: object.__setattr__(experts[12], "__dict__", dict(experts[12].__dict__))
+    assert tree.tensors(m) is None  # the recorded check: the changed __dict__ is not looked up in
+    assert torch_ext.ext.build_module_tree(m, torch.nn.Module, ()) is None  # nor by the record's walk
+    assert key.fired == 0
+    key.free = None
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    for _ in range(2):
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)
@@ -1356,6 +1405,32 @@ def _stepped() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     _with_grads(m)
     opt.step()
     return m, opt
+
+
+@needs_ext
+@pytest.mark.parametrize("where", ["the optimizer's __dict__", "a param group"])
+def test_an_optimizer_dict_whose_lookups_run_code_is_not_looked_up_in(checks, where):
+    # As test_a_module_dict_whose_lookups_run_code_is_not_looked_up_in, for the optimizer's record: its
+    # __dict__ (looked up for param_groups and state) or a group (looked up for params). It was a segfault.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    m, opt = _stepped()
+    tree = torch_ext.ext.build_optimizer_tree(opt)[0]
+    if where == "a param group":
+        key = _KeyThatFrees("params")
+        opt.param_groups[1] = {key: None, **opt.param_groups[1]}
+        free = lambda: opt.param_groups.__setitem__(1, dict(opt.param_groups[1]))  # noqa: E731
+    else:
+        key = _KeyThatFrees("param_groups")
+        object.__setattr__(opt, "__dict__", {key: None, **opt.__dict__})
+        free = lambda: object.__setattr__(opt, "__dict__", dict(opt.__dict__))  # noqa: E731
+    key.free = free
+    assert tree.tensors(opt) is None
+    assert torch_ext.ext.build_optimizer_tree(opt) is None
+    assert key.fired == 0
+    key.free = None
+    _agrees(opt)
+    _agrees([m, opt])
 
 
 class _PropertyGroups(torch.optim.SGD):

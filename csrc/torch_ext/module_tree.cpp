@@ -153,6 +153,7 @@ class Builder {
       return false;
     }
     PyObject* dict = *dict_ptr;
+    if (!str_keyed(dict)) return false;  // (its lookups could run code: the Python walk reads it)
     py::object hold_dict = py::reinterpret_borrow<py::object>(dict);  // (for the version check below)
     ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}, {}, {}};
     // The three parts first: their tables are asked for while the methods are looked up.
@@ -276,10 +277,10 @@ class Builder {
         __builtin_prefetch(reinterpret_cast<PyDictObject*>(dict)->ma_values);
       }
     }
-    // Each stage looks the parts up itself: a part found at an earlier stage is not kept, since a lookup in a
-    // dict with a key of another type may run that key's __eq__, which may free it. visit() looks them up again.
+    // The stages that look the parts up (each for itself; visit() too) do so only in a dict where that runs
+    // no code (str_keyed); visit() refuses the others.
     if (k + kParts < n) {
-      if (PyObject* dict = instance_dict(kid(kParts))) {
+      if (PyObject* dict = keyed_dict(kid(kParts))) {
         for (PyObject* name : interned().parts) {
           PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
           if (part == nullptr) PyErr_Clear();
@@ -288,14 +289,14 @@ class Builder {
       }
     }
     if (k + kPartTables < n) {
-      if (PyObject* dict = instance_dict(kid(kPartTables))) {
+      if (PyObject* dict = keyed_dict(kid(kPartTables))) {
         for (PyObject* name : interned().parts) {
           if (PyObject* part = part_of(dict, name)) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
         }
       }
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
-      if (PyObject* dict = instance_dict(kid(kValues))) {
+      if (PyObject* dict = keyed_dict(kid(kValues))) {
         if (PyObject* part = part_of(dict, interned().parts[0])) {
           Py_ssize_t pos = 0;
           PyObject *name, *value;
@@ -361,6 +362,12 @@ class Builder {
       return nullptr;
     }
     return PyDict_CheckExact(*dict_ptr) ? *dict_ptr : nullptr;
+  }
+
+  // instance_dict(), where a lookup in it runs no code (else nullptr).
+  static PyObject* keyed_dict(PyObject* module) {
+    PyObject* dict = instance_dict(module);
+    return dict != nullptr && str_keyed(dict) ? dict : nullptr;
   }
 
   static PyObject* lookup(PyTypeObject* type, const char* name) {
@@ -536,7 +543,9 @@ bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries) {
   }
   PyObject* dict = *dict_ptr;
   if (dict != m.dict || version_of(dict) != m.dict_version) {
-    if (!PyDict_CheckExact(dict) || shadows_methods(dict)) return false;
+    // (A dict whose lookups could run code is not looked up in: the traversal is recorded again, and the
+    // builder refuses it. Code run here could change or free what this check has already passed.)
+    if (!PyDict_CheckExact(dict) || !str_keyed(dict) || shadows_methods(dict)) return false;
     for (int p = 0; p < 3; ++p) {
       PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);
       if (part != m.parts[p]) {

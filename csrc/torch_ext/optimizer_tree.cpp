@@ -123,7 +123,11 @@ bool unchanged(OptimizerTree& t, PyObject* optimizer) {
   PyObject* dict = instance_dict(optimizer);
   if (dict == nullptr) return false;
   if (dict != t.dict || version_of(dict) != t.dict_version) {
-    if (item_of(dict, names().param_groups) != t.groups || item_of(dict, names().state) != t.state) return false;
+    // (Only where a lookup runs no code, which could change or free what this check has already passed.)
+    if (!str_keyed(dict) || item_of(dict, names().param_groups) != t.groups ||
+        item_of(dict, names().state) != t.state) {
+      return false;
+    }
     t.dict = dict;
     t.dict_version = version_of(dict);
   }
@@ -132,7 +136,7 @@ bool unchanged(OptimizerTree& t, PyObject* optimizer) {
   for (size_t g = 0; g < t.group_dicts.size(); ++g) {
     PyObject* group = t.group_dicts[g];
     if (version_of(group) != t.group_versions[g]) {
-      if (item_of(group, names().params) != t.params_lists[g]) return false;
+      if (!str_keyed(group) || item_of(group, names().params) != t.params_lists[g]) return false;
       t.group_versions[g] = version_of(group);
     }
     const size_t at = t.params_at[g];
@@ -173,7 +177,9 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   t.type = type;
   t.type_tag = type->tp_version_tag;
   t.dict = instance_dict(optimizer);
-  if (t.dict == nullptr) return py::none();
+  // Looked up in only where that runs no code (str_keyed: every key an exact str); the others are walked in
+  // Python, whose lookups hold what they read.
+  if (t.dict == nullptr || !str_keyed(t.dict)) return py::none();
   t.dict_version = version_of(t.dict);
   t.groups = item_of(t.dict, names().param_groups);
   t.state = item_of(t.dict, names().state);
@@ -205,7 +211,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   t.params_at.push_back(0);
   for (Py_ssize_t g = 0; g < num_groups; ++g) {
     PyObject* group = PyList_GET_ITEM(t.groups, g);
-    if (!PyDict_CheckExact(group)) return py::none();
+    if (!PyDict_CheckExact(group) || !str_keyed(group)) return py::none();
     PyObject* params = item_of(group, names().params);
     if (params == nullptr || !PyList_CheckExact(params)) return py::none();
     held.push_back(py::reinterpret_borrow<py::object>(group));
@@ -224,7 +230,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
         t.param_state_versions.push_back(0);
         continue;
       }
-      if (!PyDict_CheckExact(st)) return py::none();
+      if (!PyDict_CheckExact(st) || !str_keyed(st)) return py::none();
       held.push_back(py::reinterpret_borrow<py::object>(st));
       t.param_states.push_back(st);
       t.param_state_versions.push_back(version_of(st));

@@ -42,6 +42,21 @@ inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObjec
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
+
+// Whether a lookup of a str in this dict runs no Python code: every key an exact str. CPython keeps such a
+// dict's keys as a "unicode" or "split" table and compares a str with them by their characters; a key of any
+// other type (a str subclass too) makes the table "general", where a lookup calls the stored key's __eq__,
+// which may change or free anything, the dict being read included. (The first fields of CPython 3.11's and
+// 3.12's PyDictKeysObject, as their pycore_dict.h declares them; dk_kind 0 is DICT_KEYS_GENERAL.)
+inline bool str_keyed(PyObject* dict) {
+  struct KeysHead {
+    Py_ssize_t dk_refcnt;
+    uint8_t dk_log2_size;
+    uint8_t dk_log2_index_bytes;
+    uint8_t dk_kind;
+  };
+  return reinterpret_cast<const KeysHead*>(reinterpret_cast<PyDictObject*>(dict)->ma_keys)->dk_kind != 0;
+}
 #endif
 
 // A vector sized ahead for the most it could hold (its untouched pages cost nothing), cut down to what it holds
