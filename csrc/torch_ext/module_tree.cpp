@@ -13,6 +13,9 @@
 // _parameters directly, replacing the dict, swapping __class__) escapes that, and torch's registration hooks,
 // which miss `del` and direct dict writes, are not needed.
 //
+// Lookups are made only in dicts whose every key is an exact str (str_keyed), where they run no code; a
+// module whose __dict__ holds another key is walked in Python.
+//
 // Only where the tags mean this: CPython 3.11 and 3.12 with the GIL (3.13 keeps inline values beside a
 // materialized __dict__ and 3.14 retires the tag); elsewhere build_module_tree() says "unsupported" and the
 // caller walks the module in Python every call, as before.

@@ -7,7 +7,9 @@
 // list, the state dict, and each parameter's state dict. Dicts carry CPython's version tags (see
 // module_tree.cpp); lists have none, so their items are compared. A group dict changes at every step (a
 // scheduler writes "lr"): it is looked at again for its "params" list, which must be the recorded one with
-// the recorded items. Only where the tags mean this (CPython 3.11 and 3.12 with the GIL); elsewhere
+// the recorded items. Lookups are made only in dicts whose every key is an exact str (str_keyed), where
+// they run no code: an optimizer with another key in its __dict__, a group or a state is walked in Python.
+// Only where the tags mean this (CPython 3.11 and 3.12 with the GIL); elsewhere
 // build_optimizer_tree() says None and the caller walks the optimizer in Python every call, as before.
 #include <Python.h>
 #include <pybind11/pybind11.h>
