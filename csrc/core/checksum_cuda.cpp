@@ -159,8 +159,8 @@ class DeviceChecksumJob final : public ChecksumJob {
   bool query() const override {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (state_->done) return true;
+    ContextGuard guard(state_->device);  // (first: see cuda_backend.cpp's PinScope)
     RelaxedCaptureMode relaxed;
-    ContextGuard guard(state_->device);
     const CUresult status = GO_CU_TRY(cuEventQuery, state_->scratch->block.done);
     if (status == kErrorNotReady) return false;
     if (status != kSuccess) throw_cu_error(__FILE__, __LINE__, "cuEventQuery(checksum)", status);

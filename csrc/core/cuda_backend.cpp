@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "cuda_backend.hpp"
@@ -79,7 +80,9 @@ Pins& pins() {
 }
 
 // A context for a pinning call: the thread's current one, else the primary context of a device already
-// in use. None when no device is in use yet; then nothing is created.
+// in use. None when no device is in use yet; then nothing is created. The context is looked at and made
+// current before any other driver call, the capture mode's exchange included: a thread that had none must
+// be left with none (on the H200 a fresh thread kept a context after its first pinning and copy).
 class PinScope {
  public:
   PinScope() {
@@ -87,21 +90,22 @@ class PinScope {
     CUcontext current = nullptr;
     if (d.cuCtxGetCurrent_(&current) == kSuccess && current != nullptr) {
       ok_ = true;
-      return;
-    }
-    for (int dev = 0; dev < driver_state().device_count; ++dev) {
-      if (primary_context_active(dev)) {
-        guard_ = std::make_unique<ContextGuard>(dev);
-        ok_ = true;
-        return;
+    } else {
+      for (int dev = 0; dev < driver_state().device_count; ++dev) {
+        if (primary_context_active(dev)) {
+          guard_ = std::make_unique<ContextGuard>(dev);
+          ok_ = true;
+          break;
+        }
       }
     }
+    relaxed_.emplace();  // pinning is "unsafe" during another thread's global-mode capture
   }
   bool ok() const { return ok_; }
 
  private:
-  RelaxedCaptureMode relaxed_;  // pinning is "unsafe" during another thread's global-mode capture
   std::unique_ptr<ContextGuard> guard_;
+  std::optional<RelaxedCaptureMode> relaxed_;  // (after guard_: restored before the context is)
   bool ok_ = false;
 };
 
@@ -472,8 +476,8 @@ Event::~Event() {
 }
 
 bool Event::query() const {
+  ContextGuard guard(device_);  // (first: see PinScope)
   RelaxedCaptureMode relaxed;
-  ContextGuard guard(device_);
   const CUresult status = GO_CU_TRY(cuEventQuery, static_cast<CUevent>(handle_));
   if (status == kErrorNotReady) return false;
   if (status != kSuccess) throw_cu_error(__FILE__, __LINE__, "cuEventQuery(event)", status);
@@ -482,8 +486,8 @@ bool Event::query() const {
 
 void Event::synchronize() const {
   // The event was made with CU_EVENT_BLOCKING_SYNC: the thread sleeps instead of spinning a core.
+  ContextGuard guard(device_);  // (first: see PinScope)
   RelaxedCaptureMode relaxed;
-  ContextGuard guard(device_);
   GO_CU(cuEventSynchronize, static_cast<CUevent>(handle_));
 }
 
@@ -508,8 +512,8 @@ void engine_synchronize(int device, bool to_host) {
   const Engine* e = engine_if_created(device);
   if (e == nullptr) return;  // no stream, nothing enqueued
   const int dir = to_host ? 0 : 1;
+  ContextGuard guard(device);  // (first: see PinScope)
   RelaxedCaptureMode relaxed;
-  ContextGuard guard(device);
   GO_CU(cuStreamSynchronize, e->kernel_streams[dir]);
   GO_CU(cuStreamSynchronize, e->streams[dir]);
 }
