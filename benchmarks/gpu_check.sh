@@ -126,9 +126,10 @@ bench() {  # $1: json file, $2: gather thresholds, rest: --layout arguments
   set -o pipefail
   local json=$1 sweep=$2
   shift 2
+  # Its whole output goes to check.log as it comes (the script's output is tee'd there). Piped through tail,
+  # a bench cut by its stage's timeout left nothing behind (the H200, 2026-12-04).
   GPU_OFFLOAD_HOST_MEMORY_BYTES=$BENCH_HOST_MEMORY \
-    $PY -m gpu_offload bench --device cuda "$@" --repeats 3 --no-baselines --gather-sweep "$sweep" --json "$json" 2>&1 \
-    | tail -60
+    $PY -m gpu_offload bench --device cuda "$@" --repeats 3 --no-baselines --gather-sweep "$sweep" --json "$json" 2>&1
 }
 
 export -f machine build cuda_tests bench

@@ -257,7 +257,8 @@ def main() -> int:
     device = torch.device(args.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # (torch 2.11 refuses a device without an index here: "cuda" alone is the current one.)
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, rank=0, world_size=1)

@@ -72,7 +72,11 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def sample(arena: go.Arena, device: torch.device) -> dict[str, int]:
-    """The figures that must stay flat, taken between cycles."""
+    """The figures that must stay flat, taken between cycles, once the device has finished the cycle's copies
+    (a freed snapshot's region returns to the arena when the copies that read it have ended: read before
+    that, the arena's use alternated between 0 and one snapshot from cycle to cycle on the H200)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     stats = arena.stats()
     out = {
         "rss_bytes": rss_bytes(),
@@ -83,7 +87,6 @@ def sample(arena: go.Arena, device: torch.device) -> dict[str, int]:
         "cached_plans": _plan.cache_info()["num_plans"],
     }
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         out["cuda_memory_allocated"] = torch.cuda.memory_allocated(device)
         out["cuda_memory_reserved"] = torch.cuda.memory_reserved(device)
     return out

@@ -35,7 +35,7 @@ def test_a_stage_whose_command_fails_is_recorded_as_failed(tmp_path: Path) -> No
     failing.write_text("def test_passes():\n    pass\n\n\n"
                        "def test_fails():\n    assert False, 'the stand-in cuda test failed'\n")
     # `python -m pytest ...` runs the failing file instead of the cuda tests; anything else is the real
-    # interpreter (the machine stage, and the benchmark, which fails here without a GPU behind `| tail`).
+    # interpreter (the machine stage, and the benchmark, which fails here without a GPU).
     python = _executable(bin_dir / "python-stand-in", f"""#!/bin/sh
 case " $* " in
   *" -m pytest "*) exec "{sys.executable}" -m pytest -q -p no:cacheprovider "{failing}" ;;
@@ -50,7 +50,7 @@ exec "{sys.executable}" "$@"
     status = {s["stage"]: s["status"] for s in record["stages"]}
     assert status["machine"] == "ok", (status, proc.stdout[-4000:])
     assert status["cuda-first"] == "fail-rc1", (status, proc.stdout[-4000:])  # pytest's own status
-    assert status["bench-small"].startswith("fail-rc"), (status, proc.stdout[-4000:])  # not tail's 0
+    assert status["bench-small"].startswith("fail-rc"), (status, proc.stdout[-4000:])  # the bench's own status
     assert status["build"] == status["cuda-rest"] == "not-selected", status
     assert proc.returncode == 1, proc.returncode  # the script itself says that a stage failed
     log = (out / "check.log").read_text()
