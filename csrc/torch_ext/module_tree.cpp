@@ -97,6 +97,17 @@ bool shadows_methods(PyObject* dict) {
   return false;
 }
 
+// One of a module's three parts from its __dict__, where it is an exact dict (an OrderedDict's order is not
+// its table's), else nullptr with no error set. Borrowed.
+PyObject* part_of(PyObject* dict, PyObject* name) {
+  PyObject* part = PyDict_GetItemWithError(dict, name);
+  if (part == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  return PyDict_CheckExact(part) ? part : nullptr;
+}
+
 }  // namespace
 
 class ModuleTree {
@@ -161,11 +172,8 @@ class Builder {
     ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}, {}, {}};
     // The three parts first: their tables are asked for while the methods are looked up.
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
-      if (part == nullptr || !PyDict_CheckExact(part)) {  // an OrderedDict's order is not the table's
-        PyErr_Clear();
-        return false;
-      }
+      PyObject* part = part_of(dict, interned().parts[p]);
+      if (part == nullptr) return false;
       facts.parts[p] = part;
       facts.part_versions[p] = version_of(part);
       prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
@@ -307,16 +315,6 @@ class Builder {
         }
       }
     }
-  }
-
-  // One of a module's three parts from its __dict__, where it is an exact dict (else nullptr, no error set).
-  static PyObject* part_of(PyObject* dict, PyObject* name) {
-    PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
-    if (part == nullptr) {
-      PyErr_Clear();
-      return nullptr;
-    }
-    return PyDict_CheckExact(part) ? part : nullptr;
   }
 
   // How much the record holds so far, vector by vector (see reserve_like_first).
