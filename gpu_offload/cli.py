@@ -677,8 +677,11 @@ def _info_value(key: str, value: Any, info: dict) -> str:
                              else " (default: one per core, at most 16)")
     if key == "build.arena_alignment":
         return f"{value} B"
-    if key == "gather_max_bytes" and value == 0:
-        return "off (every storage through the copy engines)"
+    if key == "gather_max_bytes":
+        if value == 0:
+            return "off (every storage through the copy engines)"
+        return format_bytes(value) + (" (GPU_OFFLOAD_GATHER_MAX_BYTES)" if "GPU_OFFLOAD_GATHER_MAX_BYTES" in env
+                                      else " (default)")
     if isinstance(value, bool):
         return "yes" if value else "no"
     if value is None:

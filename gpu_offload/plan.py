@@ -215,11 +215,21 @@ def build_copies(entries: Sequence[tuple[torch.device, int, int, int]]) -> CopyP
     return CopyPlans([(idx, _C.CopyPlan(idx, *arrays, gather)) for idx, arrays in sorted(by_device.items())])
 
 
+# The H200's calibration (../shared/calibration/batchcopy-2026-11-30-h200.txt, the same 64 KiB-chunk kernel
+# into mapped pinned memory): 65536 x 4 KiB D2H 52.5 GB/s through the kernel against 11.2 with one
+# cudaMemcpyBatchAsync, 8192 x 64 KiB 52.5 against 42.1; LLM layouts 52.6 against 55.1 (large tensors
+# belong to the copy engines). A copy engine pays about 0.4 us a copy there, 7% of a 256 KiB copy's time
+# and 25% of a 64 KiB one's: the kernel takes what is at most 64 KiB until `gpu-offload bench
+# --gather-sweep` on the H200 says where the two cross (benchmarks/gpu_check.sh sweeps it).
+DEFAULT_GATHER_MAX_BYTES = 64 << 10
+
+
 def gather_max_bytes() -> int:
     """Storages up to this size go through the gather/scatter kernel instead of the copy engines (CUDA,
-    pinned arena only). GPU_OFFLOAD_GATHER_MAX_BYTES; 0 (the default until it is tuned on a GPU) keeps
-    every copy on the copy engines."""
-    return max(0, _env_int("GPU_OFFLOAD_GATHER_MAX_BYTES") or 0)
+    pinned and mapped arena only): GPU_OFFLOAD_GATHER_MAX_BYTES, 64 KiB when unset; 0 keeps every copy on
+    the copy engines."""
+    value = _env_int("GPU_OFFLOAD_GATHER_MAX_BYTES")
+    return DEFAULT_GATHER_MAX_BYTES if value is None else max(0, value)
 
 
 class TargetPlan:

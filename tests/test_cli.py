@@ -432,7 +432,7 @@ def test_info(workdir: Path) -> None:
     assert fields["arena min slab"] == "64 MiB"
     assert fields["arena pinning"] == "none"
     assert fields["host copy threads"] == "1 (GPU_OFFLOAD_NUM_THREADS)"
-    assert fields["gather max bytes"] == "64 KiB"
+    assert fields["gather max bytes"] == "64 KiB (GPU_OFFLOAD_GATHER_MAX_BYTES)"
     assert "warning" not in proc.stdout  # every variable set is one gpu_offload reads
 
 
@@ -445,6 +445,10 @@ def test_info_defaults_say_what_they_resolve_to(workdir: Path) -> None:
     resolved = "register (a CUDA device answers)" if go.cuda_available() else "none (no CUDA device)"
     assert fields["arena pinning"] == f"auto: {resolved}"
     assert fields["host copy threads"].endswith("(default: one per core, at most 16)")
+    assert fields["gather max bytes"] == "64 KiB (default)"
+    proc = run_cli("info", cwd=workdir, env=_env(GPU_OFFLOAD_GATHER_MAX_BYTES="0"))
+    assert proc.returncode == 0, proc.stderr
+    fields = {row[0]: row[1] for row in table_rows(proc.stdout) if len(row) == 2}
     assert fields["gather max bytes"] == "off (every storage through the copy engines)"
 
 
@@ -457,7 +461,7 @@ def test_info_json_and_version(workdir: Path) -> None:
     assert info["torch"] == torch.__version__ and info["cuda_available"] == go.cuda_available()
     assert info["arena"] == {"max_bytes": 1 << 30, "min_slab_bytes": 256 << 20, "pin": "auto",
                              "pin_resolved": "register" if go.cuda_available() else "none"}
-    assert info["gather_max_bytes"] == 0 and info["host_threads"] >= 1
+    assert info["gather_max_bytes"] == 64 << 10 and info["host_threads"] >= 1  # the default threshold
     assert info["environment"] == {"GPU_OFFLOAD_ARENA_MAX_BYTES": "1GiB"}
     assert info["unknown_environment"] == ["GPU_OFFLOAD_MAX_BYTES is not a gpu_offload setting and is ignored "
                                            "(did you mean GPU_OFFLOAD_NODE_MAX_BYTES or GPU_OFFLOAD_ARENA_MAX_BYTES?)"]

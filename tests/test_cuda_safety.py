@@ -658,11 +658,17 @@ warm()
 arena = go.Arena(min_slab_bytes=4 << 20)
 region = arena._allocate(2 << 20)
 small = torch.arange(256, dtype=torch.uint8, device="cuda")
+# Allocated last, alone in its segment (no expandable segments: the caller's environment is cleared of
+# PYTORCH_CUDA_ALLOC_CONF), so that nothing is mapped right after it.
+big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 stream = torch.cuda.Stream()
 torch.cuda.synchronize()
-# The small storage goes through the gather kernel; the large one's device address is bogus, so the copy
-# engines refuse it after the kernel was enqueued.
-plan = _C.CopyPlan(0, [small.data_ptr(), 4096], [0, 1 << 20], [256, 1 << 20], 4096)
+# The small storage goes through the gather kernel; the large copy starts 4 KiB before the end of a device
+# allocation and runs 1 MiB, past it, so the copy engines refuse it after the kernel was enqueued. (Not a
+# bogus address: under unified addressing the driver takes one it does not know for pageable host memory
+# and reads it on the host, which killed the process on the H200.)
+past_end = big.data_ptr() + big.numel() - 4096
+plan = _C.CopyPlan(0, [small.data_ptr(), past_end], [0, 1 << 20], [256, 1 << 20], 4096)
 assert plan.num_kernel_copies == 1
 gate = hold(stream, timeout_s=60)  # the batch (its kernel) waits for this
 gate.open_after(1.0)  # from another thread: the error path below waits for the kernel until then
@@ -689,7 +695,8 @@ sys.exit(0 if ok else 1)
 def test_5_a_partly_enqueued_batch_has_finished_when_the_error_is_raised():
     # In a subprocess: a refused copy must not leave the test session's CUDA context in doubt.
     proc = subprocess.run([sys.executable, "-c", _PARTIAL_BATCH, _TESTS], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "GPU_OFFLOAD_GATHER_MAX_BYTES": "4096"})
+                          timeout=180, env={**{k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"},
+                                            "GPU_OFFLOAD_GATHER_MAX_BYTES": "4096"})
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
