@@ -596,21 +596,33 @@ def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.Offloade
         _registry.verify_host([offloaded.record(p) for p in range(len(live))])
     events: list[Any] = []
     allocating = True
+    parts = plan.reload_parts()
     try:
         # The refusal is lifted in the resize's own pass where the helper resizes, else first in one C++
         # call by key (the target's tensors hold the storages).
         if not plan.resizes_in_one_pass:
             _registry.allow(offloaded.keys)
-        _plan.resize(resolved, release=False, refusals=plan.refusals)
-        allocating = False
-        try:
-            # One step (the assignment takes run's result directly): an interrupt cannot lose the events.
-            events = plan.copies().run(False, region.ptr, waits=offloaded.events)
-        except BaseException as exc:
-            events = _plan.enqueued(exc)  # other devices' copies, still running
-            raise
-        finally:
-            region._pending.extend(events)  # a region an interrupt leaves unreleased waits for them
+        if parts is None:
+            _plan.resize(resolved, release=False, refusals=plan.refusals)
+            allocating = False
+            try:
+                # One step (the assignment takes run's result directly): an interrupt cannot lose the events.
+                events = plan.copies().run(False, region.ptr, waits=offloaded.events)
+            except BaseException as exc:
+                events = _plan.enqueued(exc)  # other devices' copies, still running
+                raise
+            finally:
+                region._pending.extend(events)  # a region an interrupt leaves unreleased waits for them
+        else:
+            # In parts: each part's copies are enqueued before the next part is allocated, so the link works
+            # while the host allocates (plan.RELOAD_FIRST_PART_BYTES). Each event goes into `events` and the
+            # region's pending list inside the C call that enqueues its batch.
+            for part in parts:
+                allocating = True
+                _plan.resize(resolved, release=False, refusals=plan.refusals, part=part)
+                allocating = False
+                plan.part_copies(*part).run(False, region.ptr, waits=offloaded.events,
+                                            record=(events, region._pending))
     except BaseException as exc:
         _undo_reload_plan(resolved, offloaded, events)
         if allocating and isinstance(exc, (RuntimeError, MemoryError)):

@@ -344,7 +344,12 @@ def remove(s: OffloadedSet) -> bool:
 def others_hold_grads(s: Optional[OffloadedSet], also: Optional[OffloadedSet] = None) -> bool:
     """Whether a registered set other than `s` (and `also`) may hold some tensor's gradient (call with the lock
     held); s=None: whether any does."""
-    return any(other.holds_grads for other in _sets if other is not s and other is not also)
+    # (A loop, not any() over a generator: one closed early is finalized later, and an interrupt landing
+    # in its close would be printed and dropped instead of reaching the caller.)
+    for other in _sets:
+        if other.holds_grads and other is not s and other is not also:
+            return True
+    return False
 
 
 def registered(s: OffloadedSet) -> bool:

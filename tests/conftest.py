@@ -247,10 +247,12 @@ def inject_resize_failure(monkeypatch: pytest.MonkeyPatch, k: int, exc: type[Bas
         patched_resize = torch.UntypedStorage.resize_  # counts and raises
 
         def resize_live(record: Any, tensors: list[torch.Tensor], release: bool, refuse: bool = False,
-                        held: Any = None) -> None:  # (held: reached through the tensors here instead)
+                        held: Any = None, begin: int = 0, end: int = -1) -> None:
+            # (held: reached through the tensors here instead; begin, end: a part, as the helper's)
             messages = record.refusals if refuse else None
+            live = record.live()
             try:
-                for k, (first, nbytes) in enumerate(record.live()):
+                for k, (first, nbytes) in list(enumerate(live))[begin:len(live) if end < 0 else end]:
                     storage = tensors[first].untyped_storage()
                     if messages and not release:  # lifted before it grows, as the helper's pass does
                         torch_ext.allow_access([storage])

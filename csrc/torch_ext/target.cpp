@@ -666,10 +666,10 @@ std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list) cons
   return out;
 }
 
-HeldStorages* TargetRecord::usable_held(py::handle held) const {
+HeldStorages* TargetRecord::usable_held(py::handle held, size_t from) const {
   if (held.is_none() || !py::isinstance<HeldStorages>(held)) return nullptr;
   HeldStorages* h = held.cast<HeldStorages*>();
-  return h->record_id == id_ && !h->spent && h->refs.size() == live_.size() ? h : nullptr;
+  return h->record_id == id_ && !h->spent && h->refs.size() == live_.size() && h->next == from ? h : nullptr;
 }
 
 std::vector<c10::StorageImpl*> TargetRecord::live_storages(py::handle list, HeldStorages* held) const {
@@ -703,13 +703,20 @@ void TargetRecord::set_refusals(py::list messages) {
 
 int64_t num_cpu_blocks() { return g_num_blocks.load(std::memory_order_relaxed); }
 
-void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::handle held) {
+void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::handle held, int64_t begin,
+                               int64_t end) {
   if (refuse && parked_.size() != live_.size()) throw py::value_error("resize_live: no refusals set");
-  HeldStorages* h = usable_held(held);
+  const int64_t num_live = static_cast<int64_t>(live_.size());
+  if (end < 0) end = num_live;
+  if (begin < 0 || begin > end || end > num_live) {
+    throw py::value_error("resize_live: the part [" + std::to_string(begin) + ", " + std::to_string(end) +
+                          ") is not within the " + std::to_string(num_live) + " live storages");
+  }
+  const size_t first = static_cast<size_t>(begin), last = static_cast<size_t>(end);
+  HeldStorages* h = usable_held(held, first);
   // The held storages are read where they are held (no copy); without them, reached through the list.
   const std::vector<c10::StorageImpl*> reached = h != nullptr ? std::vector<c10::StorageImpl*>() : live_storages(list);
-  const size_t n = h != nullptr ? h->refs.size() : reached.size();
-  for (size_t k = 0; k < n; ++k) {
+  for (size_t k = first; k < last; ++k) {
     // (The recorded device: these are the recorded storages, and a storage's device never changes. A CPU
     // storage is not read here, which would be a miss per storage before the resize's own.)
     const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
@@ -726,7 +733,7 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::h
   // as after a Python loop. The record follows each storage as it is resized (what refresh() would read),
   // so it is exact even after a failure.
   try {
-    resize_each(reached, release, refuse, h);
+    resize_each(reached, release, refuse, h, first, last);
   } catch (const c10::OutOfMemoryError& e) {
     // torch.OutOfMemoryError, as UntypedStorage.resize_ raises it (swap() falls back on it), not pybind11's
     // RuntimeError.
@@ -736,8 +743,9 @@ void TargetRecord::resize_live(py::handle list, bool release, bool refuse, py::h
 }
 
 void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse,
-                               HeldStorages* held) {
-  // Spent from here on, whatever happens: its references go one by one as their storages are resized.
+                               HeldStorages* held, size_t begin, size_t end) {
+  // Spent from here on, whatever happens: its references go one by one as their storages are resized (a
+  // part that ends before the last storage gives it back for the next part, below).
   if (held != nullptr) held->spent = true;
   // (A held reference is reset once its storage is resized: those ahead are still there.)
   auto impl_at = [&](size_t k) { return held != nullptr ? held->refs[k].get() : reached[k]; };
@@ -751,7 +759,7 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bo
   if (!release) {
     std::vector<size_t> want(n, 0);
     size_t eligible = 0;
-    for (size_t k = 0; k < n; ++k) {
+    for (size_t k = begin; k < end; ++k) {
       const StorageFacts& facts = storages_[static_cast<size_t>(live_[k])];
       if (facts.device.is_cpu() && facts.resizable && facts.recorded_nbytes <= kBlockPartBytes) {
         want[k] = facts.recorded_nbytes;
@@ -761,11 +769,11 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bo
     if (eligible > 1) blocks.emplace(want);
   }
   c10::Allocator* const cpu_allocator = blocks ? c10::GetCPUAllocator() : nullptr;
-  for (size_t k = 0; k < n; ++k) {
-    if (k + 2 * ahead < n) {
+  for (size_t k = begin; k < end; ++k) {
+    if (k + 2 * ahead < end) {
       prefetch_whole<c10::StorageImpl, 1>(impl_at(k + 2 * ahead));
     }
-    if (k + ahead < n) {
+    if (k + ahead < end) {
       const StorageFacts& next = storages_[static_cast<size_t>(live_[k + ahead])];
       if (refuse) prefetch_refusal(impl_at(k + ahead));
       if (release && next.device.is_cpu() && next.data != nullptr) {
@@ -792,7 +800,13 @@ void TargetRecord::resize_each(const std::vector<c10::StorageImpl*>& reached, bo
     // (The target's tensors hold it too: this only drops the check's reference, while its line is at hand.)
     if (held != nullptr) held->refs[k].reset();
   }
-  if (held != nullptr) held->refs.clear();  // (spent: num_held reads 0)
+  if (held == nullptr) return;
+  if (end < n) {
+    held->next = end;  // (the storages from `end` on are still held, for the next part)
+    held->spent = false;
+  } else {
+    held->refs.clear();  // (spent: num_held reads 0)
+  }
 }
 
 py::object TargetRecord::watch_live(py::handle list, py::handle held) {

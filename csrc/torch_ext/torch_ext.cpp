@@ -234,11 +234,13 @@ PYBIND11_MODULE(_torch_ext, m) {
       .def("tensor_columns", &TargetRecord::tensor_columns,
            "(storage index, offset, shape, stride, dtype) of each tensor, as recorded.")
       .def("resize_live", &TargetRecord::resize_live, py::arg("tensors"), py::arg("release"),
-           py::arg("refuse") = false, py::arg("held") = py::none(),
+           py::arg("refuse") = false, py::arg("held") = py::none(), py::arg("begin") = 0, py::arg("end") = -1,
            "Resizes the recorded live storages of `tensors` to 0 (release) or back to their recorded sizes; with "
            "`refuse`, each also refuses access after its release, or has the refusal lifted before it grows "
            "(the messages of set_refusals), in the same pass. `held`: check_held()'s answer for `tensors` (the "
-           "storages it holds are resized, without reaching them again; it is spent then).")
+           "storages it holds are resized, without reaching them again; it is spent then). begin, end: only "
+           "the live storages [begin, end) (end -1: to the last); `held` serves a resize in such parts while "
+           "each part begins where the one before ended.")
       .def("set_refusals", &TargetRecord::set_refusals, py::arg("messages"),
            "One refusal message per live storage, for resize_live(..., refuse=True).")
       .def_property_readonly("has_refusals", &TargetRecord::has_refusals)

@@ -112,6 +112,9 @@ struct HeldStorages {
   uint64_t record_id;
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> refs;
   bool spent = false;
+  // The first live storage not yet resized: a resize in parts (resize_live's begin and end) goes on from
+  // here, and only a HeldStorages still at 0 serves anything else.
+  size_t next = 0;
 };
 
 // What a cached plan remembers about a target's tensors and storages (target.cpp).
@@ -168,7 +171,11 @@ class TargetRecord {
   // changed, when a tensor moved to another storage since the last check.
   // With `refuse`, each storage also refuses access (release: after it is resized) or has the refusal
   // lifted (before it is resized back), in the same pass, with the messages of set_refusals().
-  void resize_live(py::handle list, bool release, bool refuse, py::handle held);
+  // begin, end: only the live storages [begin, end) (end -1: to the last), a part of a resize made in
+  // order (a reload that enqueues each part's copies before it allocates the next); `held` serves the
+  // parts while each begins where the last ended.
+  void resize_live(py::handle list, bool release, bool refuse, py::handle held, int64_t begin = 0,
+                   int64_t end = -1);
   // One message per live storage, kept for resize_live(..., refuse=true).
   void set_refusals(py::list messages);
   bool has_refusals() const { return !parked_.empty(); }
@@ -216,14 +223,17 @@ class TargetRecord {
   template <bool kHold>
   bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
-  // `held` when it is this record's unspent HeldStorages, else nullptr.
-  HeldStorages* usable_held(py::handle held) const;
+  // `held` when it is this record's unspent HeldStorages, all of whose storages it still holds (`from`: or
+  // those from `from` on, a resize in parts going on), else nullptr.
+  HeldStorages* usable_held(py::handle held, size_t from = 0) const;
   // The held storages (when not nullptr), else live_storages(list).
   std::vector<c10::StorageImpl*> live_storages(py::handle list, HeldStorages* held) const;
   void summarize();  // all_resizable_ from the storages' facts
   bool covers(size_t i, size_t nbytes) const;  // tensor i views exactly nbytes from its storage's start, contiguously
   // resize_live's pass over `held`'s storages where it is not nullptr, else over `reached`.
-  void resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse, HeldStorages* held);
+  // Over the live storages [begin, end) only.
+  void resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse, HeldStorages* held,
+                   size_t begin, size_t end);
   std::vector<TensorFacts> tensors_;
   std::vector<int64_t> dims_;
   std::vector<StorageFacts> storages_;
