@@ -4,12 +4,13 @@
 # to what is left of the 6 minutes), none stopping the rest, each recorded with its command's own status:
 #   machine -> build (archs 90) + C++ tests -> cuda tests, the safety and stream-order ones first
 #   (test_cuda_safety.py, test_cuda.py) -> benchmark of four layouts (gather threshold swept in the same
-#   process) -> the other cuda tests -> qwen7b -> strategies on NCCL -> short soak -> thread stress
+#   process) -> each call's phases (benchmarks/phases.py) -> the other cuda tests -> qwen7b -> strategies on
+#   NCCL -> short soak -> thread stress
 # The limits add up to more than the budget: what is left runs in a second window (GPU_CHECK_STAGES).
-# Writes at most 8 small files under $OUT (or ./out): check.log (everything, the test names as they run),
+# Writes at most 9 small files under $OUT (or ./out): check.log (everything, the test names as they run),
 # record.json (commit, machine, each stage's status and seconds, the benchmark summary; written last),
-# junit-first.xml, junit-rest.xml, bench-small.json, bench-qwen7b.json, strategies.json, soak.json. Prints
-# one summary table last.
+# junit-first.xml, junit-rest.xml, bench-small.json, phases.json, bench-qwen7b.json, strategies.json,
+# soak.json. Prints one summary table last.
 #   run from the repo root:  GPU_CHECK_COMMIT=<sha> bash benchmarks/gpu_check.sh    (run's timeout_s=420)
 # The device copy has no .git: pass the commit in GPU_CHECK_COMMIT (it is recorded as "unknown" otherwise).
 # GPU_CHECK_STAGES="machine cuda-first ..." runs only the stages named (the others are recorded as not
@@ -143,6 +144,8 @@ stage cuda-first 90 1 cuda_tests junit-first.xml tests/test_cuda_safety.py tests
 # off and 1 MiB only), so that a slow qwen7b cannot cost the others' figures. Before the other tests: the
 # first H200 run (2026-12-04) spent the budget on them (140 tests, 99 of them in 75 s) and measured nothing.
 stage bench-small 100 1 bench "$OUT/bench-small.json" "$SWEEP" --layout tiny4k --layout small64k --layout mixed --layout qwen1.5b
+# Where the time of each call goes on qwen1.5b and tiny4k (host phases, then the device's tail).
+stage phases 60 1 $PY benchmarks/phases.py --device cuda --layout qwen1.5b --layout tiny4k --repeats 3 --json "$OUT/phases.json"
 stage cuda-rest 130 1 cuda_tests junit-rest.xml tests --ignore=tests/test_cuda_safety.py --ignore=tests/test_cuda.py
 stage bench-qwen7b 40 1 bench "$OUT/bench-qwen7b.json" 0,1048576 --layout qwen7b
 stage strategies 25 1 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies.json"

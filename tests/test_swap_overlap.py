@@ -7,6 +7,7 @@ import torch
 
 import gpu_offload as go
 from conftest import assert_bitwise_equal, inject_resize_failure
+from gpu_offload.storages import bind
 from cuda_gates import engine_stream, hold, recorded, settle
 
 
@@ -60,6 +61,59 @@ def test_swap_puts_things_back_when_the_outgoing_half_fails(device):
     assert go.is_offloaded(small) and not go.is_offloaded(big)  # as before the call
     go.reload(small)
     assert_bitwise_equal(small["w"], small_values)
+
+
+@pytest.mark.parametrize("checks_of", ["plan", "each tensor", "a gradient apart"])
+def test_swap_puts_back_dropped_gradients_and_a_partial_offload_when_the_outgoing_half_fails(device, checks_of,
+                                                                                            monkeypatch):
+    # The incoming model was offloaded with its gradients dropped (what swap reads from the plan its offload
+    # left, binding nothing), or only part of it is offloaded, or a gradient of it apart from its state (each
+    # read tensor by tensor): either way, as before the call after.
+    from gpu_offload import api
+
+    arena = go.Arena(max_bytes=64 << 10, min_slab_bytes=64 << 10)
+    model = _model(device, 0)
+    model(torch.randn(4, 32, device=device)).sum().backward()
+    values = _values(model)
+    big = {"w": torch.randn(32 << 10, device=device)}  # 128 KiB: over the cap
+    grad_values = [p.grad.clone() for p in model.parameters()]
+    bound = []
+    monkeypatch.setattr(api, "bind", lambda *a, **kw: bound.append(1) or bind(*a, **kw))
+    if checks_of == "plan":
+        go.offload(model, arena=arena, grads="drop")
+        target = model
+    elif checks_of == "each tensor":
+        go.offload({"first": model[0].weight}, arena=arena)  # part of it; its gradients stay
+        target = {"first": model[0].weight, "last": model[2].weight, "last.grad": model[2].weight.grad}
+    else:
+        go.offload(model, arena=arena)  # its gradients stay ...
+        go.offload({"g": model[2].bias.grad}, arena=arena)  # ... but for one, offloaded apart
+        target = model
+    with pytest.raises(go.OffloadError, match="arena cap"):
+        go.swap(big, target, arena=arena)
+    assert bool(bound) == (checks_of != "plan")  # the plan's shortcut (no bind) only where it says it all
+    assert not go.is_offloaded(big)
+    if checks_of == "a gradient apart":
+        assert go.is_offloaded(model) and model[2].bias.grad.untyped_storage().nbytes() == 0
+        assert model[0].weight.grad.untyped_storage().nbytes() != 0  # kept, as before
+        go.reload(model)
+        if go.is_offloaded({"g": model[2].bias.grad}):  # (put back with the state's set, or apart)
+            go.reload({"g": model[2].bias.grad})
+        for p, g in zip(model.parameters(), grad_values):
+            assert_bitwise_equal(p.grad, g)
+    elif checks_of == "plan":
+        assert go.is_offloaded(model)
+        assert all(p.untyped_storage().nbytes() == 0 and p.grad.untyped_storage().nbytes() == 0
+                    for p in model.parameters())
+        go.reload(model)
+        assert all(bool((p.grad == 0).all()) for p in model.parameters())  # dropped: back zeroed
+    else:
+        assert model[0].weight.untyped_storage().nbytes() == 0  # offloaded again
+        assert model[2].weight.untyped_storage().nbytes() != 0 and model[2].weight.grad is not None
+        go.reload({"first": model[0].weight})
+    for p, v in zip(model.parameters(), values):
+        assert_bitwise_equal(p, v)
+    assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
 
 
 def test_overlap_snapshot_is_the_state_as_of_the_call(device, arena):
