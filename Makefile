@@ -85,7 +85,7 @@ sanitize-check: setup
 	  -n $(PYTEST_WORKERS) --rootdir=$(CURDIR) -c $(CURDIR)/pyproject.toml test_torch_ext.py test_host_cost.py \
 	  test_offloaded_access.py test_plan_cache.py test_lifetime.py test_faults.py test_roundtrip.py test_strategies.py \
 	  test_fuzz.py test_swap_overlap.py test_errors.py test_persist.py test_arena.py test_sim_driver.py test_integrity.py \
-	  test_cpu_reload_blocks.py test_fsdp.py
+	  test_cpu_reload_blocks.py test_fsdp.py test_reload_parts.py
 
 bench-micro: setup
 	$(PY) -m pytest benchmarks --benchmark-only -p no:cacheprovider --benchmark-columns=min,median,mean,rounds
