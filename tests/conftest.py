@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import importlib.util
 import os
 import sys
 from typing import Any, Callable, Iterator
@@ -127,6 +128,17 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
 def expect_cuda_build() -> bool | None:
     value = os.environ.get("GPU_OFFLOAD_EXPECT_CUDA_BUILD")
     return None if value is None else value == "1"
+
+
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_script(name: str) -> Any:
+    """A script of benchmarks/ (e.g. "soak"), imported as a module of its own (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(_BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def inject_failure(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: int, exc: type[BaseException],

@@ -4,12 +4,10 @@ reload, pinning more than the machine can spare, and threads working on differen
 from __future__ import annotations
 
 import gc
-import importlib.util
 import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,8 @@ import torch
 
 import gpu_offload as go
 import conftest
-from conftest import assert_bitwise_equal, every_interrupt, inject_failure, inject_resize_failure, node_budget, random_tensor
+from conftest import (assert_bitwise_equal, every_interrupt, inject_failure, inject_resize_failure, load_script, node_budget,
+                      random_tensor)
 from gpu_offload import integrity as _integrity
 from gpu_offload import plan as _plan
 from gpu_offload import registry as _registry
@@ -25,15 +24,6 @@ from gpu_offload._ext import _C
 
 # Every test runs with the torch-aware helper and with the pure-Python path (conftest.checks).
 pytestmark = pytest.mark.usefixtures("checks")
-
-_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load_script(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def _state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -259,7 +249,7 @@ def test_reload_on_a_full_gpu_fails_clearly_and_a_retry_after_freeing_works():
 # -- threads ------------------------------------------------------------------------------------------------
 def test_two_threads_on_different_models_stay_bitwise_right(device):
     # The short version of benchmarks/stress_threads.py (minutes there, seconds here).
-    stress = _load_script("stress_threads")
+    stress = load_script("stress_threads")
     # Rounds counted, not timed: each thread runs at least 4 (3 restores, 2 offloads) however busy the machine.
     report = stress.stress(3.0, device=str(device), threads=2, width=128, depth=4, min_steps=4)
     assert not report.get("errors"), report.get("errors")

@@ -3,21 +3,17 @@ call of the engine it names, each phase counted once (the phases of a call add u
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "phases.py"
+from conftest import load_script
 
 
 def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_phases", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_script("phases")
 
 
 def test_every_call_is_measured_and_its_phases_fit_in_it(tmp_path: Path) -> None:

@@ -4,18 +4,13 @@ flat after warm-up, and the values stay bitwise right."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+from conftest import load_script
 
 
 def _soak_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_soak", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_script("soak")
 
 
 def test_fifty_cycles_leak_nothing(device):
