@@ -5,12 +5,12 @@
 #   machine -> build (archs 90) + C++ tests -> cuda tests, the safety and stream-order ones first
 #   (test_cuda_safety.py, test_cuda.py) -> benchmark of four layouts (gather threshold swept in the same
 #   process) -> each call's phases (benchmarks/phases.py) -> the other cuda tests -> qwen7b -> strategies on
-#   NCCL -> short soak -> thread stress
+#   NCCL -> short soak -> thread stress -> the baselines and the stager, once
 # The limits add up to more than the budget: what is left runs in a second window (GPU_CHECK_STAGES).
-# Writes at most 9 small files under $OUT (or ./out): check.log (everything, the test names as they run),
+# Writes at most 10 small files under $OUT (or ./out): check.log (everything, the test names as they run),
 # record.json (commit, machine, each stage's status and seconds, the benchmark summary; written last),
 # junit-first.xml, junit-rest.xml, bench-small.json, phases.json, bench-qwen7b.json, strategies.json,
-# soak.json. Prints one summary table last.
+# soak.json, bench-baselines.json. Prints one summary table last.
 #   run from the repo root:  GPU_CHECK_COMMIT=<sha> bash benchmarks/gpu_check.sh    (run's timeout_s=420)
 # The device copy has no .git: pass the commit in GPU_CHECK_COMMIT (it is recorded as "unknown" otherwise).
 # GPU_CHECK_STAGES="machine cuda-first ..." runs only the stages named (the others are recorded as not
@@ -151,6 +151,10 @@ stage bench-qwen7b 40 1 bench "$OUT/bench-qwen7b.json" 0,1048576 --layout qwen7b
 stage strategies 25 1 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies.json"
 stage soak 15 1 $PY benchmarks/soak.py --device cuda --cycles 150 --warmup 10 --json "$OUT/soak.json"
 stage threads 10 1 $PY benchmarks/stress_threads.py --device cuda --seconds 5
+# Issue 19 asks for the baselines at least once (the seed's .cpu().clone(), per-tensor copies) and the
+# stager against DCP's: one repeat, two layouts (tiny4k's per-tensor baselines alone take minutes).
+stage baselines 90 1 env GPU_OFFLOAD_HOST_MEMORY_BYTES="$BENCH_HOST_MEMORY" $PY -m gpu_offload bench --device cuda \
+  --layout qwen1.5b --layout small64k --repeats 1 --stager --json "$OUT/bench-baselines.json"
 
 # The record and the summary table (printed last).
 $PY - "$OUT" "$COMMIT" "$BUDGET" "$(($(date +%s) - START))" <<'PYEOF'
@@ -169,7 +173,7 @@ try:
 except Exception:
     gpu = None
 rows = []
-for name in ("bench-small.json", "bench-qwen7b.json"):
+for name in ("bench-small.json", "bench-qwen7b.json", "bench-baselines.json"):
     try:
         data = json.load(open(os.path.join(out, name)))
     except Exception:

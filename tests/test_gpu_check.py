@@ -56,6 +56,7 @@ exec "{sys.executable}" "$@"
     log = (out / "check.log").read_text()
     assert "the stand-in cuda test failed" in log  # the test's own report reached the log
     assert "MemAvailable" in log and "ulimit -l" in log and "setuptools" in log  # the machine stage's facts
-    # The summary table is the last thing written, and it reached the log before the script ended.
-    assert log.rstrip().splitlines()[-1].split()[0] == "threads", log[-2000:]
+    # The summary table (its last row: the last stage) is the last thing written, and it reached the log before
+    # the script ended.
+    assert log.rstrip().splitlines()[-1].split()[0] == "baselines", log[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "record.json"]
