@@ -628,3 +628,22 @@ def test_plans_of_one_layout_share_their_refusal_messages_and_nothing_keeps_them
     plan.clear_cache()
     gc.collect()
     assert ref() is None
+
+
+def test_a_plain_tensor_turned_wrapper_is_read_through_its_local_tensor_not_served_the_plain_plan(arena, checks):
+    # A cached plan of plain tensors is checked against the tensors as given (no pass for wrappers' local
+    # tensors first): its check compares each object's exact type with the recorded one, so a tensor whose
+    # class changed since is a miss, and the target is read again, through the local tensor.
+    class Wrapper(torch.Tensor):
+        pass
+
+    a, b = torch.arange(4.0), torch.arange(4.0) + 10
+    target = {"a": a, "b": b}
+    go.snapshot(target, arena=arena).free()
+    assert plan.lookup(["a", "b"], [a, b]) is not None
+    inner = torch.full((4,), 7.0)
+    b.__class__ = Wrapper
+    b._local_tensor = inner
+    snap = go.snapshot(target, arena=arena).wait()
+    assert torch.equal(snap.tensors()["b"], inner) and torch.equal(snap.tensors()["a"], a)
+    snap.free()
