@@ -587,7 +587,8 @@ def _regrow_dropped(named: Any, dropped: _registry.OffloadedSet) -> None:
 
 def _reload_through_plan(resolved: _plan.Resolved, offloaded: _registry.OffloadedSet, verify: bool) -> None:
     """Reloads a target through the plan its offload left (the registry lock held): the storages are
-    re-allocated in one call where the helper can, the plan refreshed, its copies run."""
+    re-allocated in one call where the helper can (on a GPU, in parts: see plan.reload_parts), the plan
+    refreshed, its copies run."""
     plan, region = resolved.plan, offloaded.region
     live = plan.live
     if verify:  # integrity: the host copy is checked before anything moves
