@@ -145,7 +145,8 @@ stage cuda-first 90 1 cuda_tests junit-first.xml tests/test_cuda_safety.py tests
 # first H200 run (2026-12-04) spent the budget on them (140 tests, 99 of them in 75 s) and measured nothing.
 stage bench-small 100 1 bench "$OUT/bench-small.json" "$SWEEP" --layout tiny4k --layout small64k --layout mixed --layout qwen1.5b
 # Where the time of each call goes on qwen1.5b and tiny4k (host phases, then the device's tail).
-stage phases 60 1 $PY benchmarks/phases.py --device cuda --layout qwen1.5b --layout tiny4k --repeats 3 --json "$OUT/phases.json"
+stage phases 60 1 env GPU_OFFLOAD_HOST_MEMORY_BYTES="$BENCH_HOST_MEMORY" $PY benchmarks/phases.py --device cuda \
+  --layout qwen1.5b --layout tiny4k --repeats 3 --json "$OUT/phases.json"
 stage cuda-rest 130 1 cuda_tests junit-rest.xml tests --ignore=tests/test_cuda_safety.py --ignore=tests/test_cuda.py
 stage bench-qwen7b 40 1 bench "$OUT/bench-qwen7b.json" 0,1048576 --layout qwen7b
 stage strategies 25 1 $PY benchmarks/gpu_strategies.py --device cuda --json "$OUT/strategies.json"
