@@ -444,10 +444,18 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
             raise
         try:
             _registry.add(offloaded)
-            # The copies are enqueued before the memory is released and the current stream waits for them;
-            # the allocator is told too (it would otherwise hand a block back to the stream that allocated
-            # it, which need not be the current one), so no block is reused before it has been read.
-            _plan.mark_live_in_use(resolved, to_host=True)
+            # The copies are enqueued before the memory is released and the current stream waits for them.
+            # No block may be handed out again before its copy has read it, whichever stream allocated it:
+            if empty_cache and events:
+                # the empty_cache() below waits for the copies anyway (torch's caching allocator synchronizes
+                # the events of blocks with a recorded stream before it frees any segment), so the host waits
+                # here, before the release, and the storages go as plain frees: no copy-stream use each, which
+                # costs an event recorded per freed block and queried at later allocations.
+                _plan.wait_for(events)
+            else:
+                # the allocator is told (it would otherwise hand a block back to the stream that allocated
+                # it, which need not be the current one).
+                _plan.mark_live_in_use(resolved, to_host=True)
             # Touching offloaded state raises: the storages refuse access to their data (in the release's
             # own pass where the helper resizes, else one C++ call by key: the target's tensors hold them),
             # the target's modules and optimizers raise OffloadError when used.

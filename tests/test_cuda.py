@@ -143,3 +143,33 @@ def test_hybrid_plan_round_trips_mixed_sizes(arena, monkeypatch, gather_max_byte
     for k in state:
         assert_bitwise_equal(snap.tensors()[k].cuda(), expected[k])
     _round_trip(state, arena, snap)
+
+
+def test_an_offload_that_empties_the_cache_waits_for_its_copies_instead_of_recording_stream_uses(monkeypatch):
+    # empty_cache() would wait for the copies anyway: the offload waits first and releases the storages as
+    # plain frees (no copy-stream use, no event per freed block); without empty_cache it tells the allocator.
+    from gpu_offload import plan as _plan
+
+    _ready()
+    arena = go.Arena(min_slab_bytes=64 << 20)
+    recorded_uses: list[int] = []
+    mark = _plan.mark_live_in_use
+    monkeypatch.setattr(_plan, "mark_live_in_use", lambda *a, **kw: (recorded_uses.append(1), mark(*a, **kw)))
+    state = {"w": torch.randn(4 << 20, device="cuda"), "b": torch.randn(1000, device="cuda")}
+    want = {k: v.clone() for k, v in state.items()}
+    waited: list[int] = []
+    wait_for = _plan.wait_for
+    monkeypatch.setattr(_plan, "wait_for", lambda events: (waited.append(len(events)), wait_for(events)))
+    go.offload(state, arena=arena)
+    assert recorded_uses == [] and waited and waited[0] >= 1
+    # The released blocks are free at once: whatever takes them now cannot reach the host copy.
+    junk = torch.full((4 << 20,), 3.0, device="cuda")
+    go.reload(state)
+    for k, v in want.items():
+        assert_bitwise_equal(state[k], v)
+    go.offload(state, arena=arena, empty_cache=False)
+    assert recorded_uses == [1] and len(waited) == 1
+    go.reload(state)
+    for k, v in want.items():
+        assert_bitwise_equal(state[k], v)
+    del junk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -536,6 +537,10 @@ def test_a_plan_whose_last_tensor_died_leaves_the_cache(arena, checks):
 
 
 def test_a_state_dicts_new_tensors_each_call_are_served_the_layout_of_the_last(arena, checks):
+    # Earlier tests' garbage first: tensors an uncollected cycle holds (an exception's frames) die when the
+    # collector runs, and their plans, retired then, could push this test's out of the few kept (a flake
+    # seen once under xdist). The serving itself is only an optimisation: a fresh bind is never wrong.
+    gc.collect()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     go.snapshot(model.state_dict(), arena=arena).free()
     rebounds = _rebounds()
