@@ -21,7 +21,7 @@ from . import plan as _plan
 from . import registry as _registry
 from ._errors import OffloadError
 from .adapters import gradient_tensors, named_tensors, shard_info
-from .arena import Arena, Region, default_arena
+from .arena import Arena, Region, default_arena, wait_for
 from .overlap import join
 from .registry import Offloaded as _Offloaded
 from .snapshot import Snapshot
@@ -451,7 +451,7 @@ def offload(target: Any, *, empty_cache: bool = True, grads: str = "keep", inclu
                 # the events of blocks with a recorded stream before it frees any segment), so the host waits
                 # here, before the release, and the storages go as plain frees: no copy-stream use each, which
                 # costs an event recorded per freed block and queried at later allocations.
-                _plan.wait_for(events)
+                wait_for(events)
             else:
                 # the allocator is told (it would otherwise hand a block back to the stream that allocated
                 # it, which need not be the current one).

@@ -55,6 +55,14 @@ def _done(event: Any) -> bool:
         return False
 
 
+def wait_for(events: Iterable[Any]) -> None:
+    """Blocks the host until these copy events have completed (None entries skipped; the thread sleeps:
+    the engine's events are blocking-sync ones). An event's error propagates."""
+    for e in events:
+        if e is not None:
+            e.synchronize()
+
+
 def _drop_done(events: list[Any]) -> None:
     """Removes completed events from a list in place, leaving any appended meanwhile (the engine appends to
     a region's list from C code, outside the arena's lock). Under capture nothing is queried."""

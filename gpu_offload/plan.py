@@ -156,14 +156,6 @@ def mark_live_in_use(resolved: "Resolved", to_host: bool) -> None:
                 to_host)
 
 
-def wait_for(events: Sequence[Any]) -> None:
-    """Blocks the host until the copies of these events have finished (the thread sleeps: blocking-sync
-    events)."""
-    for e in events:
-        if e is not None:
-            e.synchronize()
-
-
 def storage_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A byte tensor over a whole storage (what record_stream needs), without copying."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -35,7 +35,7 @@ from . import _fork, torch_ext
 from . import integrity as _integrity
 from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
-from .arena import Region
+from .arena import Region, wait_for
 from .storages import Layout, StorageSpec, unwrap
 
 _ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python paths)
@@ -366,22 +366,25 @@ def registered(s: OffloadedSet) -> bool:
     return s in _sets  # (identity: sets have no __eq__; C code, no generator an interrupt could land in)
 
 
-def offloaded_any(keys: Any) -> bool:
+def _in_no_set(keys: Sequence[int]) -> bool:
+    """Whether no registered set was ever given one of these keys (each set's own frozenset, made once per
+    set): then none of them is offloaded, and the index of every offloaded storage need not be asked. That
+    index is remade after each change of the registry, at a tuple per storage (a swap of 65536 tensors spent
+    73 ms remaking it). False says only "perhaps": a set keeps the keys of positions no longer alive."""
+    for s in _sets:
+        if not s.key_set().isdisjoint(keys):
+            return False
+    return True
+
+
+def offloaded_any(keys: Sequence[int]) -> bool:
     """Whether any of these storage keys is offloaded (call with the lock held)."""
-    return bool(_sets) and not _key_index().keys().isdisjoint(keys)
+    return bool(_sets) and not _in_no_set(keys) and not _key_index().keys().isdisjoint(keys)
 
 
 def offloaded_name(keys: Sequence[int]) -> Optional[str]:
     """The name of the first of these storages that is offloaded, or None (call with the lock held)."""
-    if not _sets:
-        return None
-    # Mostly none is: asked of each set's own frozenset of keys (made once per set), not of the index of
-    # every offloaded storage, which is remade after each change of the registry at a tuple per storage (a
-    # swap of 65536 tensors spent 73 ms remaking it to answer this).
-    for s in _sets:
-        if not s.key_set().isdisjoint(keys):
-            break
-    else:
+    if not _sets or _in_no_set(keys):  # (mostly none is)
         return None
     index = _key_index()
     for key in keys:
@@ -421,9 +424,7 @@ def verify_host(records: list[Offloaded]) -> None:
     waiting for the copies that filled them); raises OffloadError naming the corrupt ones."""
     expected = _expected(records)
     for r in records:
-        for e in r.events:
-            if e is not None:
-                e.synchronize()
+        wait_for(r.events)
     actual = _C.checksum_host([r.region.ptr + r.host_offset for r in records if r.region is not None],
                               [r.nbytes for r in records if r.region is not None])
     _integrity.check(_specs(records), expected, actual,

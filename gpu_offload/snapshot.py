@@ -11,7 +11,7 @@ import torch
 from . import _capture, _fork
 from . import integrity as _integrity
 from ._errors import OffloadError
-from .arena import Arena, Lease, Region, _done
+from .arena import Arena, Lease, Region, _done, wait_for
 from .storages import Layout
 
 
@@ -111,8 +111,7 @@ class Snapshot:
         """Blocks until the host copy is complete (and restores reading it have finished)."""
         self._live()
         _capture.refuse("wait for a snapshot")
-        for e in self._pending():
-            e.synchronize()
+        wait_for(self._pending())
         return self
 
     def free(self) -> None:

@@ -148,6 +148,7 @@ def test_hybrid_plan_round_trips_mixed_sizes(arena, monkeypatch, gather_max_byte
 def test_an_offload_that_empties_the_cache_waits_for_its_copies_instead_of_recording_stream_uses(monkeypatch):
     # empty_cache() would wait for the copies anyway: the offload waits first and releases the storages as
     # plain frees (no copy-stream use, no event per freed block); without empty_cache it tells the allocator.
+    from gpu_offload import api
     from gpu_offload import plan as _plan
 
     _ready()
@@ -158,8 +159,8 @@ def test_an_offload_that_empties_the_cache_waits_for_its_copies_instead_of_recor
     state = {"w": torch.randn(4 << 20, device="cuda"), "b": torch.randn(1000, device="cuda")}
     want = {k: v.clone() for k, v in state.items()}
     waited: list[int] = []
-    wait_for = _plan.wait_for
-    monkeypatch.setattr(_plan, "wait_for", lambda events: (waited.append(len(events)), wait_for(events)))
+    wait_for = api.wait_for
+    monkeypatch.setattr(api, "wait_for", lambda events: (waited.append(len(events)), wait_for(events)))
     go.offload(state, arena=arena)
     assert recorded_uses == [] and waited and waited[0] >= 1
     # The released blocks are free at once: whatever takes them now cannot reach the host copy.
