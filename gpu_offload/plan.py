@@ -376,8 +376,14 @@ class TargetPlan:
         wrappers it is valid for)."""
         specs = self._dtensor_specs
         if specs is None:
-            specs = self._dtensor_specs = {n: t._spec for n, t in zip(self.names, wrapped)
-                                           if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
+            # (The helper reads the slots in one pass: 0.6 us a DTensor in Python, the first snapshot's largest
+            # Python pass over an FSDP2 model.)
+            found = (_ext.wrapper_slots(self.names, wrapped, "_spec")
+                     if _ext is not None and type(self.names) is list and type(wrapped) is list else None)
+            if found is None:
+                found = {n: t._spec for n, t in zip(self.names, wrapped)
+                         if type(t) not in PLAIN_TENSOR_TYPES and hasattr(t, "_spec")}
+            specs = self._dtensor_specs = found
         return specs
 
     def live_columns(self) -> tuple[list[int], list[int], list[Any], list[int], list[str]]:

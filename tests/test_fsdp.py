@@ -726,3 +726,181 @@ def _check_recorded_module_strategy(rank: int, world_size: int) -> None:
 
 def test_a_recorded_modules_shard_layout_needs_no_fsdp_walk_and_sees_fully_shard() -> None:
     run_ranks(_check_recorded_module_strategy, 1)
+
+
+# -- The helper's per-parameter reads of FSDPParams (fsdp2_params.cpp) -------------------------------------
+def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    ext = torch_ext.ext
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.scale = nn.Parameter(torch.ones(7))  # (the root's own: named without a path)
+    model.a = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3, bias=False))
+    model.b = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 5)).to(torch.bfloat16)
+    model.c = nn.Linear(8, 6)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    # Another placement for 2-D parameters: layouts equal in shape and dtype, told apart by placements alone.
+    fully_shard(model.c, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    fully_shard(model, mesh=mesh)
+    paths: dict[int, str] = {}
+    _, groups = fsdp_adapter._fsdp2_scan(model, paths)
+    fps = [fp for _, _, group in groups for fp in group.fsdp_params]
+    python = fsdp_adapter._fsdp2_shard_info(fps, paths)
+    assert {"scale", "a.0.weight", "a.1.weight", "b.1.weight", "c.weight", "c.bias"} <= python["params"].keys()
+    assert python["params"]["c.weight"]["placements"] != python["params"]["a.0.weight"]["placements"]
+    assert python["params"]["b.1.weight"]["dtype"] == "torch.bfloat16"
+    names, modules = [n for n, _ in model.named_modules()], [m for _, m in model.named_modules()]
+    for given in (paths, (ext.object_ids(modules) if ext else b"", names)):
+        info, shards = fsdp_adapter.fsdp2_shard_info_and_shards(groups, given)
+        assert info == python, given
+        if ext is not None:
+            assert shards is not None and all(s is fp._sharded_param_data for s, fp in zip(shards, fps))
+            got = ext.fsdp2_layouts(fps, given)
+            layouts = [got[1][i] for i in range(len(fps))]
+            assert len(set(layouts)) == len({id(v) for v in python["params"].values()})  # (one dict per layout)
+    # A module the paths do not know is named "?", as in Python.
+    partial = {k: v for k, v in paths.items() if k != id(model.c)}
+    assert fsdp_adapter.fsdp2_shard_info(groups, partial) == fsdp_adapter._fsdp2_shard_info(fps, partial)
+    assert "?.weight" in fsdp_adapter.fsdp2_shard_info(groups, partial)["params"]
+
+
+def test_the_helpers_fsdp2_layouts_read_what_python_reads() -> None:
+    run_ranks(_check_fsdp2_layouts_read_what_python_reads, 1)
+
+
+class _Mesh:
+    def size(self) -> int:
+        return 2
+
+    def get_rank(self) -> int:
+        return 1
+
+
+class _Plain:  # (a plain object: its attributes in its own dict, no class attribute of theirs)
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
+
+
+class _Placement:
+    def __init__(self, dim: int, on_eq: object = None) -> None:
+        self.dim, self.on_eq = dim, on_eq
+
+    def __eq__(self, other: object) -> bool:
+        if self.on_eq is not None:
+            self.on_eq()  # type: ignore[operator]
+        return isinstance(other, _Placement) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(self.dim)
+
+    def __str__(self) -> str:
+        return f"P({self.dim})"
+
+
+def _fake_params(count: int, cls: type = _Plain, module: object = None, **over: object) -> list[object]:
+    """FSDPParam-like objects with what fsdp2_shard_info reads: a module info, a spec, shapes, a shard, a mesh."""
+    module = module if module is not None else nn.Linear(1, 1)
+    mesh_info = _Plain(mesh=_Mesh())
+    out = []
+    for i in range(count):
+        attrs = dict(_module_info=_Plain(module=module, param_name=f"p{i}"),
+                     _sharding_spec=_Plain(placements=(_Placement(i % 2),)),
+                     _orig_size=torch.Size([4, i % 3 + 1]), padded_sharded_param_size=torch.Size([2, i % 3 + 1]),
+                     _sharded_param_data=torch.zeros(2 * (i % 3 + 1), dtype=torch.float16 if i % 5 else torch.float32),
+                     mesh_info=mesh_info)
+        attrs.update(over)
+        fp = cls.__new__(cls)
+        fp.__dict__.update(attrs)
+        out.append(fp)
+    return out
+
+
+@pytest.mark.skipif(torch_ext.ext is None, reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+def test_the_helpers_fsdp2_layouts_decline_what_is_not_a_plain_read_and_match_python_otherwise() -> None:
+    ext = torch_ext.ext
+    if ext.fsdp2_layouts([], {}) is None:
+        pytest.skip("the helper reads FSDPParams only on the CPython versions it was measured on (3.11, 3.12)")
+    module = nn.Linear(1, 1)
+    paths = {id(module): "blocks.3"}
+    fps = _fake_params(40, module=module)
+    # Many layouts (shapes x dtypes x placements), named "blocks.3.p<i>": as Python groups and names them.
+    groups = [("", None, _Plain(fsdp_params=fps))]
+    python = fsdp_adapter._fsdp2_shard_info(fps, paths)
+    assert fsdp_adapter.fsdp2_shard_info(groups, paths) == python
+    got = ext.fsdp2_layouts(fps, paths)
+    assert got is not None and got[0] == [f"blocks.3.p{i}" for i in range(40)]
+    assert len(got[2]) == len({id(v) for v in python["params"].values()}) == 12  # (3 shapes, 2 dtypes, 2 placements)
+    # A name given twice: the dict's last value for it, world and rank from the mesh it was last given with.
+    twice = _fake_params(3, module=module, _module_info=_Plain(module=module, param_name="same"))
+    assert fsdp_adapter.fsdp2_shard_info([("", None, _Plain(fsdp_params=twice))], paths) == (
+        fsdp_adapter._fsdp2_shard_info(twice, paths))
+
+    class Shadowed(_Plain):  # a class attribute (a property) of a read name: its code is not run, None
+        @property
+        def _orig_size(self) -> torch.Size:
+            raise AssertionError("run")
+
+    class Dynamic(_Plain):  # its own attribute lookup: None
+        def __getattr__(self, name: str) -> object:
+            raise AttributeError(name)
+
+    class Sub(torch.Tensor):
+        pass
+
+    declined = [
+        _fake_params(3, cls=Shadowed),
+        _fake_params(3, cls=Dynamic),
+        _fake_params(3, _module_info=_Plain(module=module, param_name=7)),
+        _fake_params(3, _sharded_param_data=torch.zeros(2).as_subclass(Sub)),
+        _fake_params(3, _orig_size=[4, 1]),
+        _fake_params(3, _sharding_spec=_Plain(placements=[_Placement(0)])),
+        _fake_params(2) + [_Plain()],  # (one without the attributes)
+    ]
+    for bad in declined:
+        assert ext.fsdp2_layouts(bad, paths) is None
+    # (Where Python reads them, fsdp2_shard_info answers what it reads.)
+    for bad in declined[2:4]:
+        assert fsdp_adapter.fsdp2_shard_info([("", None, _Plain(fsdp_params=bad))], paths) == (
+            fsdp_adapter._fsdp2_shard_info(bad, paths))
+    assert ext.fsdp2_layouts([], paths) == ([], [], [], [])
+    assert ext.fsdp2_layouts(fps, {"x": "y"}) is None and ext.fsdp2_layouts(fps, (b"123", ["a"])) is None
+    with pytest.raises(TypeError):
+        ext.fsdp2_layouts(tuple(fps), paths)
+
+
+@pytest.mark.skipif(torch_ext.ext is None, reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+def test_the_helpers_fsdp2_layouts_survive_placements_whose_eq_changes_everything() -> None:
+    # The layouts are grouped after every read, comparing placements with ==, which may run any Python: here it
+    # strips every parameter of its attributes and empties the list being read. What the grouping uses is held
+    # or copied: no crash, the answer is of the parameters as they were read.
+    ext = torch_ext.ext
+    if ext.fsdp2_layouts([], {}) is None:
+        pytest.skip("the helper reads FSDPParams only on the CPython versions it was measured on (3.11, 3.12)")
+    module = nn.Linear(1, 1)
+    fps: list[object] = []
+
+    def vandal() -> None:
+        for fp in list(fps):
+            fp.__dict__.clear()
+        fps.clear()
+
+    def placed(params: list[object], on_eq: object) -> list[object]:  # (each its own placements: compared)
+        for fp in params:
+            fp._sharding_spec = _Plain(placements=(_Placement(0, on_eq),))
+        return params
+
+    fps += placed(_fake_params(8, module=module), vandal)
+    got = ext.fsdp2_layouts(fps, {id(module): "m"})
+    assert got is not None and got[0] == [f"m.p{i}" for i in range(8)]
+    assert fps == [] and len(got[3]) == 8 and all(isinstance(t, torch.Tensor) for t in got[3])
+
+    def boom() -> None:
+        raise ValueError("placement compared")
+
+    with pytest.raises(ValueError, match="placement compared"):
+        ext.fsdp2_layouts(placed(_fake_params(6, module=module), boom), {})  # (1 and 4: one shape and dtype)

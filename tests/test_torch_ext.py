@@ -115,3 +115,74 @@ def test_the_engine_works_with_the_helper_switched_off():
     env = dict(os.environ, GPU_OFFLOAD_TORCH_EXT="0", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+class _Attrs:
+    def __init__(self, count: int) -> None:
+        for i in range(count):  # (past 30 attributes CPython gives an instance its own dict, below inline values)
+            setattr(self, f"a{i}", i)
+
+
+class _Shadowing(_Attrs):
+    def __init__(self, count: int) -> None:
+        self.__dict__.update((f"a{i}", i) for i in range(count))  # (a1 in its dict, shadowed by the property)
+
+    @property
+    def a1(self) -> int:
+        raise AssertionError("the class attribute's code ran")
+
+
+class _Dynamic(_Attrs):
+    def __getattr__(self, name: str) -> object:
+        return "dynamic"
+
+
+@needs_ext
+def test_instance_attrs_reads_plain_instance_attributes_and_declines_the_rest():
+    ext = torch_ext.ext
+    objs = [_Attrs(3), _Attrs(40), _Attrs(5), _Attrs(31)]
+    assert ext.instance_attrs(objs, "a2") == [2, 2, 2, 2]
+    assert ext.instance_attrs([], "a0") == []
+    assert ext.instance_attrs(objs, "a35") is None  # (absent from some)
+    assert ext.instance_attrs(objs + [_Shadowing(2)], "a1") is None  # (a class attribute of that name)
+    assert ext.instance_attrs([_Dynamic(2)], "a1") is None  # (its own attribute lookup)
+    assert ext.instance_attrs([object()], "a0") is None
+    with pytest.raises(TypeError):
+        ext.instance_attrs(tuple(objs), "a0")
+
+
+@needs_ext
+def test_same_object_sets_compares_identities_as_sets():
+    ext = torch_ext.ext
+    a, b, c = torch.ones(1), torch.ones(1), torch.ones(1)  # (equal values, distinct objects)
+    assert ext.same_object_sets([a, b], [b, a, c], 2)
+    assert not ext.same_object_sets([a, b], [b, a, c], 3)
+    assert ext.same_object_sets([a, b, a], [b, a], 2)  # (sets: a repeat is one)
+    assert not ext.same_object_sets([a, c], [a, b], 2)
+    assert ext.same_object_sets([a, b], [a, b], 99) and ext.same_object_sets([], [], 0)
+
+
+class _Wrapper(torch.Tensor):
+    __slots__ = ["_spec"]
+
+
+class _Loose(torch.Tensor):  # (its attributes in its dict: no plain slot)
+    pass
+
+
+@needs_ext
+def test_wrapper_slots_reads_the_slots_of_wrappers_alone():
+    ext = torch_ext.ext
+    plain, param = torch.ones(2), torch.nn.Parameter(torch.ones(2))
+    set_, unset = torch.ones(2).as_subclass(_Wrapper), torch.ones(2).as_subclass(_Wrapper)
+    set_._spec = spec = object()
+    got = ext.wrapper_slots(["p", "q", "w", "u"], [plain, param, set_, unset], "_spec")
+    assert got == {"w": spec} and got["w"] is spec  # (a plain tensor has none, an unset slot is absent)
+    want = {n: t._spec for n, t in zip("pqwu", [plain, param, set_, unset])
+            if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "_spec")}
+    assert got == want
+    loose = torch.ones(2).as_subclass(_Loose)
+    loose._spec = spec
+    assert ext.wrapper_slots(["l"], [loose], "_spec") is None  # (the caller's Python reads it)
+    with pytest.raises(ValueError):
+        ext.wrapper_slots(["a"], [plain, plain], "_spec")

@@ -51,17 +51,6 @@ void* data_of(c10::StorageImpl* s) {
   return s->_mutable_data_ptr_no_checks().get();
 }
 
-// A Python list's items without a copy (the caller holds the list).
-struct Items {
-  PyObject** data;
-  Py_ssize_t size;
-};
-
-Items items_of(py::handle list) {
-  if (!PyList_CheckExact(list.ptr())) throw py::type_error("expected a list");
-  return {reinterpret_cast<PyListObject*>(list.ptr())->ob_item, PyList_GET_SIZE(list.ptr())};
-}
-
 // A storage resized to 0 or, from 0, to n bytes, the two sizes offload and reload ask for (nothing to copy).
 // CPU: torch's own resize_bytes_cpu (what UntypedStorage.resize_ calls). CUDA: what resize_bytes_cuda does
 // for those sizes, through the storage's own allocator (torch's caching allocator, behind c10::Allocator)
@@ -1079,13 +1068,41 @@ void bump_versions(py::handle list) {
 // The slot a wrapper subclass keeps its local tensor in (a DTensor's `_local_tensor`, declared in __slots__):
 // its offset in the object, found through the class's member descriptor (what `t._local_tensor` reads), or
 // -1 where the class has no such plain slot.
-Py_ssize_t local_tensor_slot(PyTypeObject* type) {
-  static PyObject* name = PyUnicode_InternFromString("_local_tensor");  // (never freed: the interpreter's)
+Py_ssize_t member_slot(PyTypeObject* type, PyObject* name) {
   PyObject* descr = _PyType_Lookup(type, name);  // borrowed
   if (descr == nullptr || Py_TYPE(descr) != &PyMemberDescr_Type) return -1;
   const PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
   if (member->type != T_OBJECT_EX && member->type != T_OBJECT) return -1;
   return member->offset;
+}
+
+Py_ssize_t local_tensor_slot(PyTypeObject* type) {
+  static PyObject* name = PyUnicode_InternFromString("_local_tensor");  // (never freed: the interpreter's)
+  return member_slot(type, name);
+}
+
+py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot) {
+  const Items keys = items_of(names), items = items_of(tensors);
+  if (keys.size != items.size) throw py::value_error("wrapper_slots: names and tensors differ in length");
+  py::str name(slot);
+  PyUnicode_InternInPlace(&name.ptr());
+  py::dict out;
+  PyTypeObject* known = nullptr;  // (the last class's slot, found again only when the class changes)
+  Py_ssize_t offset = -1;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + kAhead < items.size) __builtin_prefetch(items.data[i + kAhead]);
+    PyObject* obj = items.data[i];
+    if (plain_tensor(obj)) continue;
+    if (Py_TYPE(obj) != known) {
+      known = Py_TYPE(obj);
+      offset = member_slot(known, name.ptr());
+    }
+    if (offset < 0) return py::none();  // (not a plain slot: hasattr and the read are the caller's)
+    PyObject* value = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+    if (value == nullptr) continue;  // (unset: hasattr is False)
+    if (PyDict_SetItem(out.ptr(), keys.data[i], value) != 0) throw py::error_already_set();
+  }
+  return std::move(out);
 }
 
 py::object local_tensors(py::handle list) {

@@ -304,6 +304,9 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("local_tensors", &local_tensors, py::arg("tensors"),
         "The list with each DTensor (a subclass keeping a plain tensor in a `_local_tensor` slot) replaced by its "
         "local tensor; the list itself where all are plain tensors; None where an item is anything else.");
+  m.def("wrapper_slots", &wrapper_slots, py::arg("names"), py::arg("tensors"), py::arg("slot"),
+        "{name: getattr(t, slot)} of each tensor that is not a plain Tensor or Parameter and has the slot set, "
+        "read from its class's member slot (a DTensor's _spec); None where such a class has no plain slot.");
   m.def("object_ids", &object_ids, py::arg("items"), "The items' id()s as native words, in one bytes object.");
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
@@ -323,4 +326,14 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("build_optimizer_tree", &build_optimizer_tree, py::arg("optimizer"),
         "(tree, names, tensors) of a torch optimizer's state traversal (\"state.<index>.<key>\"), or None where "
         "its class reads param_groups or state otherwise, or the state is not plain dicts under str keys.");
+  m.def("instance_attrs", &instance_attrs, py::arg("objs"), py::arg("name"),
+        "[getattr(o, name) for o in objs] (a list) where each is a plain instance attribute (its type has no "
+        "class attribute of that name nor its own attribute lookup), read a few objects ahead; else None.");
+  m.def("same_object_sets", &same_object_sets, py::arg("a"), py::arg("b"), py::arg("count_b"),
+        "set(map(id, a)) == set(map(id, b[:count_b])) for two lists, without touching their objects.");
+  m.def("fsdp2_layouts", &fsdp2_layouts, py::arg("fsdp_params"), py::arg("module_paths"),
+        "(names, layout index of each, first parameter of each layout, _sharded_param_data of each) of a list "
+        "of FSDPParams, named as fsdp2_shard_info names them from module_paths (a dict id -> path, or (ids as "
+        "native words, paths)); the layouts by global shape, padded local shape, padded shard dtype and "
+        "placements (==). None where a read is not a plain one.");
 }

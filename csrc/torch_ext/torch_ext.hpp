@@ -66,6 +66,17 @@ void shrink_if_slack(Vector& v) {
   if (v.capacity() > v.size() + v.size() / 2 + 64) v.shrink_to_fit();
 }
 
+// A Python list's items without a copy (the caller holds the list); a TypeError for anything but a list.
+struct Items {
+  PyObject** data;
+  Py_ssize_t size;
+};
+
+inline Items items_of(py::handle list) {
+  if (!PyList_CheckExact(list.ptr())) throw py::type_error("expected a list");
+  return {reinterpret_cast<PyListObject*>(list.ptr())->ob_item, PyList_GET_SIZE(list.ptr())};
+}
+
 // THPVariable_Check without PyObject_IsInstance for a subclass's object: torch's check asks the metaclass's
 // __instancecheck__ for anything but a plain Tensor or Parameter, a generic call that costs hundreds of ns (a
 // DTensor's: the per-parameter passes over FSDP2 models spent most of their time in it). Decided by the
@@ -288,6 +299,9 @@ void bump_versions(py::handle list);
 // DTensor) replaced by it; the list itself where every item is a plain tensor; None where an item is
 // anything else (the caller's Python path decides).
 py::object local_tensors(py::handle list);
+// {name: t.<slot>} of each tensor that is not a plain one and has the slot set ({n: t._spec for a DTensor}), read
+// from the class's member slot; None where such a class keeps no plain slot of that name.
+py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot);
 // The items' addresses (id()), as native words: two lists hold the same objects iff these are equal.
 py::bytes object_ids(py::handle list);
 
@@ -311,5 +325,14 @@ void bind_optimizer_tree(py::module_& m);
 // value (by identity); None unless every key is a str json.dumps writes as is (printable ASCII, no quote or
 // backslash).
 py::object json_object_of_texts(py::handle mapping, py::handle text_of);
+
+// (fsdp2_params.cpp) Per-parameter reads of FSDP2's FSDPParams, staged so that their cache misses overlap.
+// [getattr(o, name) for o in objs] where each is a plain instance attribute (see PlainAttr there); else None.
+py::object instance_attrs(py::handle objs, const char* name);
+// set(map(id, a)) == set(map(id, b[:count_b])), without touching the objects.
+bool same_object_sets(py::handle a, py::handle b, Py_ssize_t count_b);
+// fsdp2_shard_info's per-parameter part: (names, layout index of each, first parameter of each layout, padded
+// shards) | None.
+py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths);
 
 }  // namespace gpu_offload::torch_ext

@@ -24,10 +24,11 @@ Only local shards are touched: no ``summon_full_params``, no collective.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import sys
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Union
 
 import torch
 from torch import nn
@@ -281,21 +282,31 @@ def _groups_of(named_modules: Iterable[tuple[str, nn.Module]],
 
 
 def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None,
-                named_modules: Iterable[tuple[str, nn.Module]] | None = None
+                named_modules: tuple[list[str], list[nn.Module]] | None = None
                 ) -> tuple[list[nn.Module], list[tuple[str, nn.Module, Any]]]:
     """_one_of_each_class(module) and list(_fsdp2_groups(module, paths)) in one walk of the modules (a walk in
     Python costs about 2 us a module: a 65536-expert model's first call made seven). named_modules: what
-    module.named_modules() yields, where the caller has it (a recorded traversal's): the module is not walked."""
-    kinds: dict[type, nn.Module] = {}
-    found = module.named_modules() if named_modules is None else named_modules
+    module.named_modules() yields, as (paths, modules), where the caller has it (a recorded traversal's): the
+    module is not walked, and the few FSDP modules are picked out by class at C speed (no Python per module)."""
+    if named_modules is not None and paths is None:
+        names, modules = named_modules
+        types = list(map(type, modules))  # (one pass over the modules' objects: each read is a cache miss)
+        kinds = dict(zip(types, modules))  # (the last module of each class, as the walk keeps)
+        cls = _fsdp2_class()
+        sharded = {kind for kind in kinds if cls is not None and issubclass(kind, cls)}
+        picked = [(names[i], modules[i])
+                  for i in itertools.compress(range(len(types)), map(sharded.__contains__, types))]
+        return list(kinds.values()), list(_groups_of(picked, None))
+    found: dict[type, nn.Module] = {}
+    walked = module.named_modules() if named_modules is None else zip(*named_modules)
 
     def walk() -> Iterator[tuple[str, nn.Module]]:
-        for name, m in found:
-            kinds[type(m)] = m
+        for name, m in walked:
+            found[type(m)] = m
             yield name, m
 
     groups = list(_groups_of(walk(), paths))
-    return list(kinds.values()), groups
+    return list(found.values()), groups
 
 
 def is_fsdp2_root(module: nn.Module) -> bool:
@@ -473,18 +484,70 @@ def fsdp_shard_info(module: nn.Module) -> dict[str, Any]:
     return info
 
 
-def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: dict[int, str]) -> dict[str, Any]:
-    """fsdp_shard_info() of an FSDP2 module from its groups and every module's path by id (_fsdp2_scan's)."""
-    params: dict[str, Any] = {}
-    world, rank = 1, 0
+#: Every module's path by id: a dict (_fsdp2_scan's), or the modules' ids as native words (the helper's
+#: object_ids) beside their paths, as a recorded traversal keeps them.
+ModulePaths = Union[dict[int, str], tuple[bytes, list[str]]]
+
+
+def _paths_dict(paths: ModulePaths) -> dict[int, str]:
+    if isinstance(paths, dict):
+        return paths
+    ids, names = paths
+    out: dict[int, str] = {}
+    for key, name in zip(memoryview(ids).cast("N"), names):
+        out.setdefault(key, name)  # (a module reached twice: its first path, as named_modules() gives it)
+    return out
+
+
+def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: ModulePaths) -> dict[str, Any]:
+    """fsdp_shard_info() of an FSDP2 module from its groups and every module's path by id (ModulePaths)."""
+    return fsdp2_shard_info_and_shards(groups, paths)[0]
+
+
+def fsdp2_shard_info_and_shards(groups: list[tuple[str, nn.Module, Any]], paths: ModulePaths
+                                ) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
+    """fsdp2_shard_info() and, where the helper read them, the parameters' padded shards (_sharded_param_data,
+    in the groups' order), which a recorded shard info is kept for; else None."""
     # Named through the owning module rather than named_parameters(): that would show an unsharded
     # root's plain tensors, and this function must not reshard (it only reads). The groups are all found
     # (the walk filled `paths`) before the first is read.
-    for _, _, group in groups:
-        for fp in group.fsdp_params:
-            info_ = fp._module_info
-            path = paths.get(id(info_.module), "?")
-            params[f"{path}.{info_.param_name}" if path else info_.param_name] = fp
+    fsdp_params = [fp for _, _, group in groups for fp in group.fsdp_params]
+    # The per-parameter reads in the helper where they are plain ones (1.4 us a parameter in Python, each read
+    # a cache miss; there the misses of a few parameters overlap), else in Python.
+    got = _ext.fsdp2_layouts(fsdp_params, paths) if _ext is not None and fsdp_params else None
+    if got is None:
+        return _fsdp2_shard_info(fsdp_params, _paths_dict(paths)), None
+    names, index, firsts, shards = got
+    # (The layouts' dicts made from their first parameters, as the Python loop makes them.)
+    layouts = [_fsdp2_layout(fsdp_params[i], shards[i].dtype) for i in firsts]
+    params = dict(zip(names, map(layouts.__getitem__, index)))
+    # The world and rank are the mesh's of the parameter the last name was last given to, as in that loop.
+    last = fsdp_params[-1]
+    if len(params) != len(names):  # (a name given twice: the dict's last key may have come earlier)
+        owner = dict(zip(names, fsdp_params))
+        last = owner[next(reversed(owner))]
+    mesh = last.mesh_info.mesh
+    return {"kind": "fsdp2", "world_size": mesh.size(), "rank": mesh.get_rank(), "params": params}, shards
+
+
+def _fsdp2_layout(fp: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """One FSDPParam's layout, as fsdp2_shard_info writes it."""
+    return {
+        "global_shape": list(fp._orig_size),
+        "padded_local_shape": list(fp.padded_sharded_param_size),
+        "placements": [str(pl) for pl in fp._sharding_spec.placements],
+        "dtype": str(dtype),
+    }
+
+
+def _fsdp2_shard_info(fsdp_params: list[Any], paths: dict[int, str]) -> dict[str, Any]:
+    """fsdp2_shard_info() read in Python."""
+    params: dict[str, Any] = {}
+    world, rank = 1, 0
+    for fp in fsdp_params:
+        info_ = fp._module_info
+        path = paths.get(id(info_.module), "?")
+        params[f"{path}.{info_.param_name}" if path else info_.param_name] = fp
     # A model's parameters share a few meshes and layouts: each mesh's coordinates are read once (a mesh's
     # size and rank cost microseconds each), and parameters of one layout (shape, padded shard, placements,
     # dtype) share one dict, made once (only ever compared and dumped, see shard_info_json).
@@ -498,17 +561,11 @@ def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: dict[int, 
         if found is None:
             found = coords[id(mesh)] = (mesh.size(), mesh.get_rank())
         world, rank = found
-        placements = fp._sharding_spec.placements
         dtype = fp._sharded_param_data.dtype
-        key = (fp._orig_size, fp.padded_sharded_param_size, placements, dtype)
+        key = (fp._orig_size, fp.padded_sharded_param_size, fp._sharding_spec.placements, dtype)
         layout = layouts.get(key)
         if layout is None:
-            layout = layouts[key] = {
-                "global_shape": list(fp._orig_size),
-                "padded_local_shape": list(fp.padded_sharded_param_size),
-                "placements": [str(pl) for pl in placements],
-                "dtype": str(dtype),
-            }
+            layout = layouts[key] = _fsdp2_layout(fp, dtype)
         params[name] = layout
     return {"kind": "fsdp2", "world_size": world, "rank": rank, "params": params}
 
@@ -518,13 +575,15 @@ def shard_info_json(info: dict[str, Any]) -> str:
     shard info; made without the encoder walking an FSDP2 info's per-parameter dicts (about 2 us each), whose
     few distinct layouts are dumped once and joined under the sorted names."""
     params = info.get("params") if info.get("kind") == "fsdp2" else None
-    if (not isinstance(params, dict) or not all(type(k) is str for k in info)
-            or not all(type(k) is str for k in params)):
+    if not isinstance(params, dict) or not all(type(k) is str for k in info):
         return json.dumps(info, sort_keys=True, default=str)
     dump = functools.partial(json.dumps, sort_keys=True, default=str)
-    # (The helper's join: the names sorted as bytes into one buffer, 15-20 ms for 65536 of them, not 35-55.)
+    # (The helper's join: the names sorted as bytes into one buffer, 15-20 ms for 65536 of them, not 35-55. It
+    # checks the names itself, answering None for any but a plain str.)
     joined = _ext.json_object_of_texts(params, dump) if _ext is not None else None
     if joined is None:
+        if not all(type(k) is str for k in params):
+            return json.dumps(info, sort_keys=True, default=str)
         encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
         texts: dict[int, str] = {}
         items: list[str] = []
@@ -541,7 +600,11 @@ def shard_info_json(info: dict[str, Any]) -> str:
 def joined_json(texts: dict[str, str]) -> str:
     """``json.dumps(d, sort_keys=True)`` of a dict with str keys whose values' JSON texts are `texts`."""
     encode = json.encoder.encode_basestring_ascii  # (what dumps writes a str with: ensure_ascii)
-    return "{" + ", ".join(f"{encode(key)}: {texts[key]}" for key in sorted(texts)) + "}"
+    parts = ["{"]
+    for key in sorted(texts):  # (pieces joined once: a part's text, megabytes for a large model, copied once)
+        parts += (", " if len(parts) > 1 else "", encode(key), ": ", texts[key])
+    parts.append("}")
+    return "".join(parts)
 
 
 # -------------------------------------------------------------------------------------- the strategies

@@ -1,0 +1,425 @@
+// Per-parameter reads of an FSDP2 model's FSDPParams (adapters/fsdp.py fsdp2_shard_info, adapters/__init__.py
+// _record_fsdp2 and _recorded_fsdp2_shard_info), which a target's first snapshot asks once per parameter.
+// They are memory-bound: an FSDPParam keeps 31 attributes in a dict table of its own, and each value read (its
+// shapes, its sharding spec's placements, its module info's module and name, its padded shard's dtype) is
+// another object, scattered. In Python a 65536-parameter model spent 1.3-1.5 us per parameter (111 ns with the
+// same objects in cache). Here each parameter goes through stages a few parameters apart: its object's header,
+// then its dict object, then the dict's table, then the values found in it (a lookup that takes no reference),
+// are asked for (prefetched) before the read that takes references; then the objects those hold. A read then
+// finds its lines in cache, and the misses of several parameters overlap. (An earlier try that prefetched the
+// objects alone measured no faster than Python: every lookup missed in a different table, and taking a
+// reference to a value is itself a miss.) fsdp2_shard_info of 65536 parameters: 175-225 ms in Python, 90-100
+// here (the reads about 60 ms, the placements' == about 20).
+//
+// Only plain attribute reads are made: an attribute read goes through PyObject_GenericGetAttr and only for a
+// type that has no class attribute of that name (no descriptor, no __getattr__), so no Python code runs while
+// the parameters are read. Anything else (a type with a property of that name, a value of an unexpected type)
+// answers None and the caller's Python path reads it. The grouping of the layouts, after every read, compares
+// placements with ==, which may run Python: everything it uses is then held (strong references) or copied.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <c10/core/ScalarType.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <unordered_map>
+#include <vector>
+
+#include "torch_ext.hpp"
+
+namespace py = pybind11;
+
+namespace gpu_offload::torch_ext {
+
+namespace {
+
+// How many parameters apart the stages are (2, 4 and 8 measured alike on 65536 parameters).
+constexpr Py_ssize_t kStage = 4;
+
+// An owned reference (nullptr allowed), released at scope exit.
+struct Ref {
+  PyObject* p = nullptr;
+  Ref() = default;
+  explicit Ref(PyObject* o) : p(o) {}
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
+  Ref& operator=(Ref&& o) noexcept {
+    if (this != &o) {
+      Py_XDECREF(p);
+      p = o.p;
+      o.p = nullptr;
+    }
+    return *this;
+  }
+  ~Ref() { Py_XDECREF(p); }
+  PyObject* release() {
+    PyObject* o = p;
+    p = nullptr;
+    return o;
+  }
+};
+
+// A Python object's header and the words before it (where CPython 3.11+ keeps an instance's dict or values
+// pointer): what the next read of one of its attributes touches first.
+inline void prefetch_object(PyObject* o) {
+  if (o == nullptr) return;
+  __builtin_prefetch(o);
+  __builtin_prefetch(reinterpret_cast<const char*>(o) - 32);
+}
+
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+// Where an object of a managed-dict class (CPython 3.11 and 3.12) keeps its attributes, to be asked for ahead
+// of the reads: its materialized dict, or else its inline values (either may be nullptr). The words before the
+// object, as pycore_object.h reads them: 3.11 keeps the dict at -3 and the values at -4; 3.12 either at -3,
+// the values tagged by their low bit.
+struct Attributes {
+  PyObject* dict = nullptr;
+  const void* values = nullptr;
+};
+inline Attributes attributes_of(PyObject* o) {
+  if (o == nullptr || !PyType_HasFeature(Py_TYPE(o), Py_TPFLAGS_MANAGED_DICT)) return {};
+  const uintptr_t* words = reinterpret_cast<const uintptr_t*>(o);
+#if PY_VERSION_HEX < 0x030C0000
+  return {reinterpret_cast<PyObject*>(words[-3]), reinterpret_cast<const void*>(words[-4])};
+#else
+  const uintptr_t w = words[-3];
+  if (w & 1) return {nullptr, reinterpret_cast<const void*>(w - 1)};
+  return {reinterpret_cast<PyObject*>(w), nullptr};
+#endif
+}
+
+// The lines an attribute read of `o` touches after its header: its dict's object (`keys`: and its table, where
+// the dict object is already in cache) or its values.
+inline void prefetch_attributes(PyObject* o, bool keys) {
+  const Attributes a = attributes_of(o);
+  if (a.values != nullptr) {
+    __builtin_prefetch(a.values);
+    __builtin_prefetch(static_cast<const char*>(a.values) + 64);
+  }
+  if (a.dict == nullptr) return;
+  if (!keys) {
+    __builtin_prefetch(a.dict);
+    return;
+  }
+  if (Py_TYPE(a.dict) != &PyDict_Type) return;
+  // (A table of up to 42 entries: its header, 64 index bytes and 24 bytes an entry, 18 lines.)
+  const char* table = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(a.dict)->ma_keys);
+  for (int line = 0; line < 18; ++line) __builtin_prefetch(table + 64 * line);
+}
+#endif
+
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+// The objects that the reads of these attributes of `o` will return, asked for: found in its materialized dict
+// (whose table is in cache) without a reference taken (the read itself takes one, which is then no miss).
+inline void prefetch_values(PyObject* o, PyObject* const* names, int count) {
+  PyObject* dict = attributes_of(o).dict;
+  if (dict == nullptr || Py_TYPE(dict) != &PyDict_Type || !str_keyed(dict)) return;
+  for (int k = 0; k < count; ++k) {
+    PyObject* value = PyDict_GetItemWithError(dict, names[k]);  // (a str-keyed table: no Python runs)
+    if (value == nullptr) {
+      PyErr_Clear();
+      continue;
+    }
+    __builtin_prefetch(value);
+    __builtin_prefetch(reinterpret_cast<const char*>(value) - 32);
+  }
+}
+#endif
+
+// One attribute, by name, read as a plain instance attribute: new reference, or nullptr (no error set) where
+// the object's type reads attributes another way (its own __getattribute__ or __getattr__, or a class attribute
+// of that name, which could be a descriptor running Python) or the object has no such attribute. A type found
+// plain is remembered (the parameters of a model share a few types).
+class PlainAttr {
+ public:
+  explicit PlainAttr(const char* name) : name_(PyUnicode_InternFromString(name)) {
+    if (name_.p == nullptr) throw py::error_already_set();
+  }
+
+  PyObject* name() const { return name_.p; }
+
+  PyObject* operator()(PyObject* obj) {
+    PyTypeObject* type = Py_TYPE(obj);
+    if (type != plain_type_) {
+      if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, name_.p) != nullptr) return nullptr;
+      plain_type_ = type;
+    }
+    PyObject* value = PyObject_GenericGetAttr(obj, name_.p);
+    if (value == nullptr) PyErr_Clear();  // (AttributeError: absent; the caller answers None)
+    return value;
+  }
+
+ private:
+  Ref name_;
+  PyTypeObject* plain_type_ = nullptr;
+};
+
+// A tuple of ints (a torch.Size) appended to `dims`; false where it is anything else.
+bool append_dims(PyObject* size, std::vector<int64_t>& dims) {
+  if (size == nullptr || !PyTuple_Check(size)) return false;
+  const Py_ssize_t n = PyTuple_GET_SIZE(size);
+  dims.push_back(n);
+  for (Py_ssize_t d = 0; d < n; ++d) {
+    PyObject* v = PyTuple_GET_ITEM(size, d);
+    if (!PyLong_CheckExact(v)) return false;
+    const long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    dims.push_back(x);
+  }
+  return true;
+}
+
+// The dtype of a plain tensor (torch.Tensor or nn.Parameter, not a subclass), or -1.
+int scalar_type_of(PyObject* obj) {
+  if (obj == nullptr || !THPVariable_CheckExact(obj)) return -1;
+  return static_cast<int>(THPVariable_Unpack(obj).scalar_type());
+}
+
+// One parameter's reads: its name, its layout's dims (global shape then padded local shape, each as its
+// length then its sizes, in a shared vector), its shard's dtype, and its placements (held).
+struct Param {
+  Ref name;
+  size_t dims_at = 0, num_dims = 0;
+  int dtype = -1;
+  Ref placements;
+};
+
+// The FSDPParam-level objects of one parameter, read by the first stage and kept (held) for the second.
+struct Fetched {
+  Ref module_info, spec, orig, padded, shard, module, param_name;
+};
+
+// path + "." + name (new reference), in one allocation where both are ASCII.
+PyObject* joined_name(PyObject* path, PyObject* name) {
+  if (PyUnicode_IS_ASCII(path) && PyUnicode_IS_ASCII(name)) {
+    const Py_ssize_t a = PyUnicode_GET_LENGTH(path), b = PyUnicode_GET_LENGTH(name);
+    PyObject* out = PyUnicode_New(a + 1 + b, 127);
+    if (out == nullptr) throw py::error_already_set();
+    Py_UCS1* data = PyUnicode_1BYTE_DATA(out);
+    std::memcpy(data, PyUnicode_1BYTE_DATA(path), static_cast<size_t>(a));
+    data[a] = '.';
+    std::memcpy(data + a + 1, PyUnicode_1BYTE_DATA(name), static_cast<size_t>(b));
+    return out;
+  }
+  Ref head(PyUnicode_Concat(path, Ref(PyUnicode_FromString(".")).p));
+  if (head.p == nullptr) throw py::error_already_set();
+  PyObject* out = PyUnicode_Concat(head.p, name);
+  if (out == nullptr) throw py::error_already_set();
+  return out;
+}
+
+}  // namespace
+
+py::object instance_attrs(py::handle objs, const char* name) {
+  const Items items = items_of(objs);
+  PlainAttr attr(name);
+  py::list out(items.size);
+  PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + kStage < items.size) prefetch_object(items.data[i + kStage]);
+    PyObject* value = attr(items.data[i]);
+    if (value == nullptr) return py::none();
+    slots[i] = value;
+  }
+  return std::move(out);
+}
+
+bool same_object_sets(py::handle a, py::handle b, Py_ssize_t count_b) {
+  const Items x = items_of(a), y = items_of(b);
+  if (count_b < 0 || count_b > y.size) count_b = y.size;
+  std::vector<PyObject*> u(x.data, x.data + x.size), v(y.data, y.data + count_b);
+  for (auto* s : {&u, &v}) {
+    std::sort(s->begin(), s->end());
+    s->erase(std::unique(s->begin(), s->end()), s->end());
+  }
+  return u == v;
+}
+
+py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
+#if !GPU_OFFLOAD_DICT_VERSION_TAGS
+  (void)fsdp_params;
+  (void)module_paths;
+  return py::none();  // (a CPython whose instance layout these reads were not measured on: the Python path)
+#else
+  const Items fps = items_of(fsdp_params);
+  // The paths by module address, sorted (a lookup per parameter, no int made for it): from a dict of id() ->
+  // path, or from (the modules' ids as native words, their paths), as a recorded traversal keeps them.
+  std::vector<std::pair<uintptr_t, PyObject*>> paths;  // (borrowed: the caller holds them)
+  PyObject* given = module_paths.ptr();
+  if (PyDict_CheckExact(given)) {
+    paths.reserve(static_cast<size_t>(PyDict_GET_SIZE(given)));
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(given, &pos, &key, &value)) {
+      if (!PyLong_CheckExact(key) || !PyUnicode_CheckExact(value)) return py::none();
+      const uintptr_t id = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(key));
+      if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return py::none();
+      }
+      paths.emplace_back(id, value);
+    }
+  } else if (PyTuple_CheckExact(given) && PyTuple_GET_SIZE(given) == 2 && PyBytes_CheckExact(PyTuple_GET_ITEM(given, 0)) &&
+             PyList_CheckExact(PyTuple_GET_ITEM(given, 1))) {
+    PyObject* ids = PyTuple_GET_ITEM(given, 0);
+    const Items names = items_of(PyTuple_GET_ITEM(given, 1));
+    if (PyBytes_GET_SIZE(ids) != names.size * static_cast<Py_ssize_t>(sizeof(uintptr_t))) return py::none();
+    paths.resize(static_cast<size_t>(names.size));
+    for (Py_ssize_t k = 0; k < names.size; ++k) {
+      uintptr_t id;
+      std::memcpy(&id, PyBytes_AS_STRING(ids) + k * static_cast<Py_ssize_t>(sizeof(uintptr_t)), sizeof(id));
+      if (!PyUnicode_CheckExact(names.data[k])) return py::none();
+      paths[static_cast<size_t>(k)] = {id, names.data[k]};
+    }
+    // (A module reached twice is named by its first path, as named_modules() and a dict of them name it.)
+    std::stable_sort(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    paths.erase(std::unique(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a.first == b.first; }),
+                paths.end());
+  } else {
+    return py::none();
+  }
+  if (PyDict_CheckExact(given)) std::sort(paths.begin(), paths.end());
+  PlainAttr module_info_of("_module_info"), spec_of("_sharding_spec"), orig_of("_orig_size"),
+      padded_of("padded_sharded_param_size"), shard_of("_sharded_param_data"), module_of("module"),
+      param_name_of("param_name"), placements_of("placements");
+  Ref unknown(PyUnicode_InternFromString("?"));
+  if (unknown.p == nullptr) throw py::error_already_set();
+
+  const Py_ssize_t n = fps.size;
+  std::vector<Param> params(static_cast<size_t>(n));
+  std::vector<Ref> shards(static_cast<size_t>(n));  // (each padded shard, returned: the caller records them)
+  std::vector<int64_t> dims;
+  dims.reserve(static_cast<size_t>(n) * 6);
+  // Each parameter goes through the stages below, stage k kStage parameters behind stage k + 1: each stage
+  // reads what the one before asked for (now in cache) and asks for what the next reads.
+  constexpr Py_ssize_t kStages = 6;
+  PyObject* const fp_names[] = {module_info_of.name(), spec_of.name(), orig_of.name(), padded_of.name(),
+                                shard_of.name()};
+  std::vector<Fetched> ring(static_cast<size_t>(kStages * kStage));
+  auto slot = [&](Py_ssize_t i) -> Fetched& { return ring[static_cast<size_t>(i % (kStages * kStage))]; };
+  auto fp_at = [&](Py_ssize_t i) { return i >= 0 && i < n ? fps.data[i] : nullptr; };
+  for (Py_ssize_t i = -kStages * kStage; i < n + kStage; ++i) {
+    prefetch_object(fp_at(i + 5 * kStage));  // its header and the words before it
+    prefetch_attributes(fp_at(i + 4 * kStage), false);  // its dict object
+    prefetch_attributes(fp_at(i + 3 * kStage), true);  // its dict's table
+    prefetch_values(fp_at(i + 2 * kStage), fp_names, 5);  // its attributes' objects
+    if (PyObject* fp = fp_at(i + kStage + kStage / 2)) {  // its attributes read; what they keep asked for
+      Fetched& f = slot(i + kStage + kStage / 2);
+      f.module_info = Ref(module_info_of(fp));
+      f.spec = Ref(spec_of(fp));
+      f.orig = Ref(orig_of(fp));
+      f.padded = Ref(padded_of(fp));
+      f.shard = Ref(shard_of(fp));
+      if (!f.module_info.p || !f.spec.p || !f.orig.p || !f.padded.p || !f.shard.p) return py::none();
+      prefetch_attributes(f.module_info.p, true);
+      prefetch_attributes(f.spec.p, true);
+      if (THPVariable_CheckExact(f.shard.p)) __builtin_prefetch(THPVariable_Unpack(f.shard.p).unsafeGetTensorImpl());
+    }
+    if (fp_at(i) != nullptr) {  // everything read; the name's parts asked for
+      Fetched& f = slot(i);
+      Param& p = params[static_cast<size_t>(i)];
+      p.dims_at = dims.size();
+      if (!append_dims(f.orig.p, dims) || !append_dims(f.padded.p, dims)) return py::none();
+      p.num_dims = dims.size() - p.dims_at;
+      p.dtype = scalar_type_of(f.shard.p);
+      p.placements = Ref(placements_of(f.spec.p));
+      if (p.dtype < 0 || p.placements.p == nullptr || !PyTuple_Check(p.placements.p)) return py::none();
+      f.module = Ref(module_of(f.module_info.p));
+      f.param_name = Ref(param_name_of(f.module_info.p));
+      if (f.module.p == nullptr || f.param_name.p == nullptr || !PyUnicode_CheckExact(f.param_name.p)) {
+        return py::none();
+      }
+      __builtin_prefetch(f.param_name.p);
+      __builtin_prefetch(reinterpret_cast<const char*>(f.param_name.p) + 64);
+    }
+    if (fp_at(i - kStage) != nullptr) {  // the name: f"{path}.{param_name}" if path else param_name
+      Fetched& f = slot(i - kStage);
+      Param& p = params[static_cast<size_t>(i - kStage)];
+      PyObject* path = unknown.p;  // ("?": a module the paths do not know, as fsdp2_shard_info names it)
+      auto found = std::lower_bound(paths.begin(), paths.end(), std::make_pair(reinterpret_cast<uintptr_t>(f.module.p),
+                                    static_cast<PyObject*>(nullptr)));
+      if (found != paths.end() && found->first == reinterpret_cast<uintptr_t>(f.module.p)) path = found->second;
+      p.name = PyUnicode_GET_LENGTH(path) == 0 ? std::move(f.param_name) : Ref(joined_name(path, f.param_name.p));
+      shards[static_cast<size_t>(i - kStage)] = std::move(f.shard);
+      f = Fetched{};
+    }
+  }
+
+  // The layouts: parameters of one global shape, padded local shape, dtype and placements (==) share one.
+  // Grouped by the first three, hashed; the placements compared with those of each layout of the group.
+  struct Layout {
+    size_t param;  // (its first parameter)
+  };
+  auto key_of = [&](const Param& p) {
+    uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(p.dtype);
+    for (size_t k = 0; k < p.num_dims; ++k) h = (h ^ static_cast<uint64_t>(dims[p.dims_at + k])) * 1099511628211ull;
+    return h;
+  };
+  auto same_shape = [&](const Param& a, const Param& b) {
+    return a.dtype == b.dtype && a.num_dims == b.num_dims &&
+           std::equal(dims.begin() + static_cast<std::ptrdiff_t>(a.dims_at),
+                      dims.begin() + static_cast<std::ptrdiff_t>(a.dims_at + a.num_dims),
+                      dims.begin() + static_cast<std::ptrdiff_t>(b.dims_at));
+  };
+  std::unordered_map<uint64_t, std::vector<size_t>> by_key;  // hash -> layout indices
+  std::vector<Layout> layouts;
+  py::list index(n);
+  PyObject** index_slots = reinterpret_cast<PyListObject*>(index.ptr())->ob_item;
+  size_t last = SIZE_MAX;  // (consecutive parameters mostly share a layout: that one is tried first)
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const Param& p = params[static_cast<size_t>(i)];
+    auto same = [&](size_t l) {
+      const Param& q = params[layouts[l].param];
+      if (!same_shape(p, q)) return false;
+      const int eq = PyObject_RichCompareBool(p.placements.p, q.placements.p, Py_EQ);
+      if (eq < 0) throw py::error_already_set();
+      return eq == 1;
+    };
+    size_t found = SIZE_MAX;
+    if (last != SIZE_MAX && same(last)) {
+      found = last;
+    } else {
+      std::vector<size_t>& candidates = by_key[key_of(p)];
+      for (size_t l : candidates) {
+        if (l != last && same(l)) {
+          found = l;
+          break;
+        }
+      }
+      if (found == SIZE_MAX) {
+        found = layouts.size();
+        layouts.push_back({static_cast<size_t>(i)});
+        candidates.push_back(found);
+      }
+    }
+    last = found;
+    PyObject* v = PyLong_FromSize_t(found);
+    if (v == nullptr) throw py::error_already_set();
+    index_slots[i] = v;
+  }
+  py::list names(n);
+  PyObject** name_slots = reinterpret_cast<PyListObject*>(names.ptr())->ob_item;
+  for (Py_ssize_t i = 0; i < n; ++i) name_slots[i] = params[static_cast<size_t>(i)].name.release();
+  py::list firsts(static_cast<Py_ssize_t>(layouts.size()));
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    PyObject* v = PyLong_FromSize_t(layouts[l].param);
+    if (v == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(firsts.ptr(), static_cast<Py_ssize_t>(l), v);
+  }
+  py::list shard_list(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyList_SET_ITEM(shard_list.ptr(), i, shards[static_cast<size_t>(i)].release());
+  }
+  return py::make_tuple(std::move(names), std::move(index), std::move(firsts), std::move(shard_list));
+#endif
+}
+
+}  // namespace gpu_offload::torch_ext
