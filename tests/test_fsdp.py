@@ -732,6 +732,8 @@ def test_a_recorded_modules_shard_layout_needs_no_fsdp_walk_and_sees_fully_shard
 def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import struct
+
     from torch.distributed.tensor import Shard
 
     ext = torch_ext.ext
@@ -755,7 +757,9 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
     assert python["params"]["c.weight"]["placements"] != python["params"]["a.0.weight"]["placements"]
     assert python["params"]["b.1.weight"]["dtype"] == "torch.bfloat16"
     names, modules = [n for n, _ in model.named_modules()], [m for _, m in model.named_modules()]
-    for given in (paths, (ext.object_ids(modules) if ext else b"", names)):
+    ids = struct.pack(f"{len(modules)}N", *map(id, modules))  # (what the helper's object_ids gives)
+    assert ext is None or ext.object_ids(modules) == ids
+    for given in (paths, (ids, names)):
         info, shards = fsdp_adapter.fsdp2_shard_info_and_shards(groups, given)
         assert info == python, given
         if ext is not None:
