@@ -595,6 +595,14 @@ def test_the_helpers_json_join_is_json_dumps_or_declines() -> None:
     assert ext.json_object_of_texts(mapping, text_of) == json.dumps(mapping, sort_keys=True)
     assert sorted(asked) == sorted(set(asked)) and len(asked) == len({id(v) for v in mapping.values()})
     assert ext.json_object_of_texts({}, text_of) == "{}"
+    # A model's names: long shared prefixes, names that are prefixes of others, runs of one name's
+    # neighbours, in traversal order (the helper's radix sort partitions byte by byte).
+    model = {f"blocks.{b}.experts.{e}.{w}": values[(b + e) % 5] for b in range(40) for e in range(60)
+             for w in ("weight", "weight_scale", "w")}
+    model.update({"blocks": values[0], "blocks.1": values[1], "blocks.1.": values[2], "": values[3]})
+    shuffled = dict(rng.sample(sorted(model.items()), len(model)))
+    for names in (model, shuffled, dict(sorted(model.items())), dict(sorted(model.items(), reverse=True))):
+        assert ext.json_object_of_texts(names, text_of) == json.dumps(names, sort_keys=True)
     # Names json.dumps escapes, keys that are not str, a text that is not one: declined (None), for Python.
     for bad in ('q"', "b\\", "c\n", "d\x7f", "é", "\x00"):
         assert ext.json_object_of_texts({"ok": 1, bad: 2}, lambda v: "1") is None

@@ -294,8 +294,9 @@ def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None,
         kinds = dict(zip(types, modules))  # (the last module of each class, as the walk keeps)
         cls = _fsdp2_class()
         sharded = {kind for kind in kinds if cls is not None and issubclass(kind, cls)}
-        picked = [(names[i], modules[i])
-                  for i in itertools.compress(range(len(types)), map(sharded.__contains__, types))]
+        # (A generator: no list of pairs alive at once, which could start the garbage collector.)
+        picked = ((names[i], modules[i])
+                  for i in itertools.compress(range(len(types)), map(sharded.__contains__, types)))
         return list(kinds.values()), list(_groups_of(picked, None))
     found: dict[type, nn.Module] = {}
     walked = module.named_modules() if named_modules is None else zip(*named_modules)
