@@ -768,7 +768,7 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
     ids = struct.pack(f"{len(modules)}N", *map(id, modules))  # (what the helper's object_ids gives)
     assert ext is None or ext.object_ids(modules) == ids
     for given in (paths, (ids, names)):
-        info, shards = fsdp_adapter.fsdp2_shard_info_and_shards(groups, given)
+        info, shards = fsdp_adapter.fsdp2_shard_info_and_shards(fps, given)
         assert info == python, given
         if ext is not None:
             assert shards is not None and all(s is fp._sharded_param_data for s, fp in zip(shards, fps))
@@ -783,6 +783,13 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
 
 def test_the_helpers_fsdp2_layouts_read_what_python_reads() -> None:
     run_ranks(_check_fsdp2_layouts_read_what_python_reads, 1)
+
+
+# The helper, on a CPython whose instance layout its FSDPParam reads were measured on (3.11, 3.12: elsewhere
+# fsdp2_layouts answers None and Python reads them).
+_needs_fsdp2_layouts = pytest.mark.skipif(
+    torch_ext.ext is None or torch_ext.ext.fsdp2_layouts([], {}) is None,
+    reason=f"gpu_offload._torch_ext {torch_ext.status()}, or a CPython other than 3.11 and 3.12")
 
 
 class _Mesh:
@@ -832,11 +839,9 @@ def _fake_params(count: int, cls: type = _Plain, module: object = None, **over: 
     return out
 
 
-@pytest.mark.skipif(torch_ext.ext is None, reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+@_needs_fsdp2_layouts
 def test_the_helpers_fsdp2_layouts_decline_what_is_not_a_plain_read_and_match_python_otherwise() -> None:
     ext = torch_ext.ext
-    if ext.fsdp2_layouts([], {}) is None:
-        pytest.skip("the helper reads FSDPParams only on the CPython versions it was measured on (3.11, 3.12)")
     module = nn.Linear(1, 1)
     paths = {id(module): "blocks.3"}
     fps = _fake_params(40, module=module)
@@ -885,14 +890,12 @@ def test_the_helpers_fsdp2_layouts_decline_what_is_not_a_plain_read_and_match_py
         ext.fsdp2_layouts(tuple(fps), paths)
 
 
-@pytest.mark.skipif(torch_ext.ext is None, reason=f"gpu_offload._torch_ext {torch_ext.status()}")
+@_needs_fsdp2_layouts
 def test_the_helpers_fsdp2_layouts_survive_placements_whose_eq_changes_everything() -> None:
     # The layouts are grouped after every read, comparing placements with ==, which may run any Python: here it
     # strips every parameter of its attributes and empties the list being read. What the grouping uses is held
     # or copied: no crash, the answer is of the parameters as they were read.
     ext = torch_ext.ext
-    if ext.fsdp2_layouts([], {}) is None:
-        pytest.skip("the helper reads FSDPParams only on the CPython versions it was measured on (3.11, 3.12)")
     module = nn.Linear(1, 1)
     fps: list[object] = []
 

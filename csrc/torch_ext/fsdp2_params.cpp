@@ -40,29 +40,8 @@ namespace {
 // How many parameters apart the stages are (2, 4 and 8 measured alike on 65536 parameters).
 constexpr Py_ssize_t kStage = 4;
 
-// An owned reference (nullptr allowed), released at scope exit.
-struct Ref {
-  PyObject* p = nullptr;
-  Ref() = default;
-  explicit Ref(PyObject* o) : p(o) {}
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
-  Ref(Ref&& o) noexcept : p(o.p) { o.p = nullptr; }
-  Ref& operator=(Ref&& o) noexcept {
-    if (this != &o) {
-      Py_XDECREF(p);
-      p = o.p;
-      o.p = nullptr;
-    }
-    return *this;
-  }
-  ~Ref() { Py_XDECREF(p); }
-  PyObject* release() {
-    PyObject* o = p;
-    p = nullptr;
-    return o;
-  }
-};
+// An owned reference (nullptr allowed: pybind11's object releases it at scope exit).
+inline py::object owned(PyObject* o) { return py::reinterpret_steal<py::object>(o); }
 
 // A Python object's header and the words before it (where CPython 3.11+ keeps an instance's dict or values
 // pointer): what the next read of one of its attributes touches first.
@@ -137,25 +116,25 @@ inline void prefetch_values(PyObject* o, PyObject* const* names, int count) {
 // plain is remembered (the parameters of a model share a few types).
 class PlainAttr {
  public:
-  explicit PlainAttr(const char* name) : name_(PyUnicode_InternFromString(name)) {
-    if (name_.p == nullptr) throw py::error_already_set();
+  explicit PlainAttr(const char* name) : name_(owned(PyUnicode_InternFromString(name))) {
+    if (!name_) throw py::error_already_set();
   }
 
-  PyObject* name() const { return name_.p; }
+  PyObject* name() const { return name_.ptr(); }
 
   PyObject* operator()(PyObject* obj) {
     PyTypeObject* type = Py_TYPE(obj);
     if (type != plain_type_) {
-      if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, name_.p) != nullptr) return nullptr;
+      if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, name_.ptr()) != nullptr) return nullptr;
       plain_type_ = type;
     }
-    PyObject* value = PyObject_GenericGetAttr(obj, name_.p);
+    PyObject* value = PyObject_GenericGetAttr(obj, name_.ptr());
     if (value == nullptr) PyErr_Clear();  // (AttributeError: absent; the caller answers None)
     return value;
   }
 
  private:
-  Ref name_;
+  py::object name_;
   PyTypeObject* plain_type_ = nullptr;
 };
 
@@ -186,15 +165,15 @@ int scalar_type_of(PyObject* obj) {
 // One parameter's reads: its name, its layout's dims (global shape then padded local shape, each as its
 // length then its sizes, in a shared vector), its shard's dtype, and its placements (held).
 struct Param {
-  Ref name;
+  py::object name;
   size_t dims_at = 0, num_dims = 0;
   int dtype = -1;
-  Ref placements;
+  py::object placements;
 };
 
 // The FSDPParam-level objects of one parameter, read by the first stage and kept (held) for the second.
 struct Fetched {
-  Ref module_info, spec, orig, padded, shard, module, param_name;
+  py::object module_info, spec, orig, padded, shard, module, param_name;
 };
 
 // path + "." + name (new reference), in one allocation where both are ASCII.
@@ -209,9 +188,9 @@ PyObject* joined_name(PyObject* path, PyObject* name) {
     std::memcpy(data + a + 1, PyUnicode_1BYTE_DATA(name), static_cast<size_t>(b));
     return out;
   }
-  Ref head(PyUnicode_Concat(path, Ref(PyUnicode_FromString(".")).p));
-  if (head.p == nullptr) throw py::error_already_set();
-  PyObject* out = PyUnicode_Concat(head.p, name);
+  py::object head = owned(PyUnicode_Concat(path, py::str(".").ptr()));
+  if (!head) throw py::error_already_set();
+  PyObject* out = PyUnicode_Concat(head.ptr(), name);
   if (out == nullptr) throw py::error_already_set();
   return out;
 }
@@ -267,6 +246,7 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
       }
       paths.emplace_back(id, value);
     }
+    std::sort(paths.begin(), paths.end());
   } else if (PyTuple_CheckExact(given) && PyTuple_GET_SIZE(given) == 2 && PyBytes_CheckExact(PyTuple_GET_ITEM(given, 0)) &&
              PyList_CheckExact(PyTuple_GET_ITEM(given, 1))) {
     PyObject* ids = PyTuple_GET_ITEM(given, 0);
@@ -286,16 +266,15 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
   } else {
     return py::none();
   }
-  if (PyDict_CheckExact(given)) std::sort(paths.begin(), paths.end());
   PlainAttr module_info_of("_module_info"), spec_of("_sharding_spec"), orig_of("_orig_size"),
       padded_of("padded_sharded_param_size"), shard_of("_sharded_param_data"), module_of("module"),
       param_name_of("param_name"), placements_of("placements");
-  Ref unknown(PyUnicode_InternFromString("?"));
-  if (unknown.p == nullptr) throw py::error_already_set();
+  py::object unknown = owned(PyUnicode_InternFromString("?"));
+  if (!unknown) throw py::error_already_set();
 
   const Py_ssize_t n = fps.size;
   std::vector<Param> params(static_cast<size_t>(n));
-  std::vector<Ref> shards(static_cast<size_t>(n));  // (each padded shard, returned: the caller records them)
+  std::vector<py::object> shards(static_cast<size_t>(n));  // (each padded shard, returned: the caller records them)
   std::vector<int64_t> dims;
   dims.reserve(static_cast<size_t>(n) * 6);
   // Each parameter goes through the stages below, stage k kStage parameters behind stage k + 1: each stage
@@ -313,41 +292,41 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
     prefetch_values(fp_at(i + 2 * kStage), fp_names, 5);  // its attributes' objects
     if (PyObject* fp = fp_at(i + kStage + kStage / 2)) {  // its attributes read; what they keep asked for
       Fetched& f = slot(i + kStage + kStage / 2);
-      f.module_info = Ref(module_info_of(fp));
-      f.spec = Ref(spec_of(fp));
-      f.orig = Ref(orig_of(fp));
-      f.padded = Ref(padded_of(fp));
-      f.shard = Ref(shard_of(fp));
-      if (!f.module_info.p || !f.spec.p || !f.orig.p || !f.padded.p || !f.shard.p) return py::none();
-      prefetch_attributes(f.module_info.p, true);
-      prefetch_attributes(f.spec.p, true);
-      if (THPVariable_CheckExact(f.shard.p)) __builtin_prefetch(THPVariable_Unpack(f.shard.p).unsafeGetTensorImpl());
+      f.module_info = owned(module_info_of(fp));
+      f.spec = owned(spec_of(fp));
+      f.orig = owned(orig_of(fp));
+      f.padded = owned(padded_of(fp));
+      f.shard = owned(shard_of(fp));
+      if (!f.module_info || !f.spec || !f.orig || !f.padded || !f.shard) return py::none();
+      prefetch_attributes(f.module_info.ptr(), true);
+      prefetch_attributes(f.spec.ptr(), true);
+      if (THPVariable_CheckExact(f.shard.ptr())) __builtin_prefetch(THPVariable_Unpack(f.shard.ptr()).unsafeGetTensorImpl());
     }
     if (fp_at(i) != nullptr) {  // everything read; the name's parts asked for
       Fetched& f = slot(i);
       Param& p = params[static_cast<size_t>(i)];
       p.dims_at = dims.size();
-      if (!append_dims(f.orig.p, dims) || !append_dims(f.padded.p, dims)) return py::none();
+      if (!append_dims(f.orig.ptr(), dims) || !append_dims(f.padded.ptr(), dims)) return py::none();
       p.num_dims = dims.size() - p.dims_at;
-      p.dtype = scalar_type_of(f.shard.p);
-      p.placements = Ref(placements_of(f.spec.p));
-      if (p.dtype < 0 || p.placements.p == nullptr || !PyTuple_Check(p.placements.p)) return py::none();
-      f.module = Ref(module_of(f.module_info.p));
-      f.param_name = Ref(param_name_of(f.module_info.p));
-      if (f.module.p == nullptr || f.param_name.p == nullptr || !PyUnicode_CheckExact(f.param_name.p)) {
+      p.dtype = scalar_type_of(f.shard.ptr());
+      p.placements = owned(placements_of(f.spec.ptr()));
+      if (p.dtype < 0 || !p.placements || !PyTuple_Check(p.placements.ptr())) return py::none();
+      f.module = owned(module_of(f.module_info.ptr()));
+      f.param_name = owned(param_name_of(f.module_info.ptr()));
+      if (!f.module || !f.param_name || !PyUnicode_CheckExact(f.param_name.ptr())) {
         return py::none();
       }
-      __builtin_prefetch(f.param_name.p);
-      __builtin_prefetch(reinterpret_cast<const char*>(f.param_name.p) + 64);
+      __builtin_prefetch(f.param_name.ptr());
+      __builtin_prefetch(reinterpret_cast<const char*>(f.param_name.ptr()) + 64);
     }
     if (fp_at(i - kStage) != nullptr) {  // the name: f"{path}.{param_name}" if path else param_name
       Fetched& f = slot(i - kStage);
       Param& p = params[static_cast<size_t>(i - kStage)];
-      PyObject* path = unknown.p;  // ("?": a module the paths do not know, as fsdp2_shard_info names it)
-      auto found = std::lower_bound(paths.begin(), paths.end(), std::make_pair(reinterpret_cast<uintptr_t>(f.module.p),
+      PyObject* path = unknown.ptr();  // ("?": a module the paths do not know, as fsdp2_shard_info names it)
+      auto found = std::lower_bound(paths.begin(), paths.end(), std::make_pair(reinterpret_cast<uintptr_t>(f.module.ptr()),
                                     static_cast<PyObject*>(nullptr)));
-      if (found != paths.end() && found->first == reinterpret_cast<uintptr_t>(f.module.p)) path = found->second;
-      p.name = PyUnicode_GET_LENGTH(path) == 0 ? std::move(f.param_name) : Ref(joined_name(path, f.param_name.p));
+      if (found != paths.end() && found->first == reinterpret_cast<uintptr_t>(f.module.ptr())) path = found->second;
+      p.name = PyUnicode_GET_LENGTH(path) == 0 ? std::move(f.param_name) : owned(joined_name(path, f.param_name.ptr()));
       shards[static_cast<size_t>(i - kStage)] = std::move(f.shard);
       f = Fetched{};
     }
@@ -355,9 +334,6 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
 
   // The layouts: parameters of one global shape, padded local shape, dtype and placements (==) share one.
   // Grouped by the first three, hashed; the placements compared with those of each layout of the group.
-  struct Layout {
-    size_t param;  // (its first parameter)
-  };
   auto key_of = [&](const Param& p) {
     uint64_t h = 1469598103934665603ull ^ static_cast<uint64_t>(p.dtype);
     for (size_t k = 0; k < p.num_dims; ++k) h = (h ^ static_cast<uint64_t>(dims[p.dims_at + k])) * 1099511628211ull;
@@ -370,16 +346,15 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
                       dims.begin() + static_cast<std::ptrdiff_t>(b.dims_at));
   };
   std::unordered_map<uint64_t, std::vector<size_t>> by_key;  // hash -> layout indices
-  std::vector<Layout> layouts;
-  py::list index(n);
-  PyObject** index_slots = reinterpret_cast<PyListObject*>(index.ptr())->ob_item;
+  std::vector<size_t> firsts;  // (each layout's first parameter)
+  std::vector<size_t> index(static_cast<size_t>(n));
   size_t last = SIZE_MAX;  // (consecutive parameters mostly share a layout: that one is tried first)
   for (Py_ssize_t i = 0; i < n; ++i) {
     const Param& p = params[static_cast<size_t>(i)];
     auto same = [&](size_t l) {
-      const Param& q = params[layouts[l].param];
+      const Param& q = params[firsts[l]];
       if (!same_shape(p, q)) return false;
-      const int eq = PyObject_RichCompareBool(p.placements.p, q.placements.p, Py_EQ);
+      const int eq = PyObject_RichCompareBool(p.placements.ptr(), q.placements.ptr(), Py_EQ);
       if (eq < 0) throw py::error_already_set();
       return eq == 1;
     };
@@ -395,30 +370,19 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
         }
       }
       if (found == SIZE_MAX) {
-        found = layouts.size();
-        layouts.push_back({static_cast<size_t>(i)});
+        found = firsts.size();
+        firsts.push_back(static_cast<size_t>(i));
         candidates.push_back(found);
       }
     }
     last = found;
-    PyObject* v = PyLong_FromSize_t(found);
-    if (v == nullptr) throw py::error_already_set();
-    index_slots[i] = v;
+    index[static_cast<size_t>(i)] = found;
   }
-  py::list names(n);
-  PyObject** name_slots = reinterpret_cast<PyListObject*>(names.ptr())->ob_item;
-  for (Py_ssize_t i = 0; i < n; ++i) name_slots[i] = params[static_cast<size_t>(i)].name.release();
-  py::list firsts(static_cast<Py_ssize_t>(layouts.size()));
-  for (size_t l = 0; l < layouts.size(); ++l) {
-    PyObject* v = PyLong_FromSize_t(layouts[l].param);
-    if (v == nullptr) throw py::error_already_set();
-    PyList_SET_ITEM(firsts.ptr(), static_cast<Py_ssize_t>(l), v);
-  }
-  py::list shard_list(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyList_SET_ITEM(shard_list.ptr(), i, shards[static_cast<size_t>(i)].release());
-  }
-  return py::make_tuple(std::move(names), std::move(index), std::move(firsts), std::move(shard_list));
+  const size_t count = static_cast<size_t>(n);
+  return py::make_tuple(new_list(count, [&](size_t i) { return params[i].name.release().ptr(); }),
+                        new_list(count, [&](size_t i) { return PyLong_FromSize_t(index[i]); }),
+                        new_list(firsts.size(), [&](size_t l) { return PyLong_FromSize_t(firsts[l]); }),
+                        new_list(count, [&](size_t i) { return shards[i].release().ptr(); }));
 #endif
 }
 

@@ -249,18 +249,6 @@ inline PyObject* item_or_null(const Items& items, Py_ssize_t i) { return i < ite
 
 PyObject* new_int(int64_t v) { return PyLong_FromLongLong(v); }
 
-// A list of n new references made by make(i) (nullptr from make: the Python error stands).
-template <typename F>
-py::list new_list(size_t n, F&& make) {
-  py::list out(n);
-  for (size_t i = 0; i < n; ++i) {
-    PyObject* item = make(i);
-    if (item == nullptr) throw py::error_already_set();
-    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
-  }
-  return out;
-}
-
 // Whether `names` is a list of distinct exact strs as long as the tensors (else the Python bind decides).
 bool distinct_names(py::handle names, Py_ssize_t n) {
   if (!PyList_CheckExact(names.ptr()) || PyList_GET_SIZE(names.ptr()) != n) return false;

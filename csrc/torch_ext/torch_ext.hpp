@@ -77,6 +77,18 @@ inline Items items_of(py::handle list) {
   return {reinterpret_cast<PyListObject*>(list.ptr())->ob_item, PyList_GET_SIZE(list.ptr())};
 }
 
+// A list of n new references made by make(i) (nullptr from make: the Python error stands).
+template <typename F>
+py::list new_list(size_t n, F&& make) {
+  py::list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* item = make(i);
+    if (item == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
 // THPVariable_Check without PyObject_IsInstance for a subclass's object: torch's check asks the metaclass's
 // __instancecheck__ for anything but a plain Tensor or Parameter, a generic call that costs hundreds of ns (a
 // DTensor's: the per-parameter passes over FSDP2 models spent most of their time in it). Decided by the

@@ -350,7 +350,7 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
 
 def _managed_first(groups: list[tuple[str, torch.nn.Module, Any]], tensors: list[torch.Tensor], num_params: int) -> bool:
     """Whether the first num_params tensors of a traversal are the groups' sharded parameters, all of them."""
-    fsdp_params = [fp for _, _, group in groups for fp in group.fsdp_params]
+    fsdp_params = fsdp.fsdp2_params_of(groups)
     sharded = _ext.instance_attrs(fsdp_params, "sharded_param")  # (65536 of them: 11 ms, 18 in Python)
     if sharded is None:
         sharded = [fp.sharded_param for fp in fsdp_params]
@@ -371,7 +371,7 @@ def _recorded_fsdp2_shard_info(module: Any) -> Optional[tuple[dict[str, Any], st
     groups = fsdp.live_groups(entry[3]) if entry is not None else None
     if groups is None or not entry[0].check(module):
         return None
-    params = [fp for _, _, group in groups for fp in group.fsdp_params]
+    params = fsdp.fsdp2_params_of(groups)
     ids = _ext.object_ids(params)
     kept = entry[4].get("shard_info")  # (one read: (ids, record, info, text), replaced whole by another thread)
     if kept is not None and kept[0] == ids and kept[1] is not None:
@@ -385,7 +385,7 @@ def _recorded_fsdp2_shard_info(module: Any) -> Optional[tuple[dict[str, Any], st
     paths = entry[4].pop("paths", None)
     read = None
     if paths is not None:
-        info, read = fsdp.fsdp2_shard_info_and_shards(groups, paths)
+        info, read = fsdp.fsdp2_shard_info_and_shards(params, paths)
     else:
         info = fsdp.fsdp_shard_info(module)
     # (The shards the info was read with, where the helper returned them: the record is of what was read.)

@@ -501,19 +501,23 @@ def _paths_dict(paths: ModulePaths) -> dict[int, str]:
     return out
 
 
+def fsdp2_params_of(groups: list[tuple[str, nn.Module, Any]]) -> list[Any]:
+    """The FSDPParams of the groups, in their order."""
+    return [fp for _, _, group in groups for fp in group.fsdp_params]
+
+
 def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: ModulePaths) -> dict[str, Any]:
     """fsdp_shard_info() of an FSDP2 module from its groups and every module's path by id (ModulePaths)."""
-    return fsdp2_shard_info_and_shards(groups, paths)[0]
+    return fsdp2_shard_info_and_shards(fsdp2_params_of(groups), paths)[0]
 
 
-def fsdp2_shard_info_and_shards(groups: list[tuple[str, nn.Module, Any]], paths: ModulePaths
+def fsdp2_shard_info_and_shards(fsdp_params: list[Any], paths: ModulePaths
                                 ) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
-    """fsdp2_shard_info() and, where the helper read them, the parameters' padded shards (_sharded_param_data,
-    in the groups' order), which a recorded shard info is kept for; else None."""
+    """fsdp2_shard_info() from the groups' FSDPParams (fsdp2_params_of) and, where the helper read them, their
+    padded shards (_sharded_param_data, in that order), which a recorded shard info is kept for; else None."""
     # Named through the owning module rather than named_parameters(): that would show an unsharded
     # root's plain tensors, and this function must not reshard (it only reads). The groups are all found
     # (the walk filled `paths`) before the first is read.
-    fsdp_params = [fp for _, _, group in groups for fp in group.fsdp_params]
     # The per-parameter reads in the helper where they are plain ones (1.4 us a parameter in Python, each read
     # a cache miss; there the misses of a few parameters overlap), else in Python.
     got = _ext.fsdp2_layouts(fsdp_params, paths) if _ext is not None and fsdp_params else None
