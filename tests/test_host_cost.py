@@ -345,6 +345,76 @@ def test_a_module_dict_whose_lookups_run_code_is_not_looked_up_in(arena, checks,
     _snapshot_matches(m, arena)
 
 
+def _experts_of_a_class_of_their_own(n: int = 24) -> tuple[type, torch.nn.Module]:
+    # A class made here: its instances' __dict__s share one keys table (PEP 412) that no other test grows.
+    expert = type("Expert", (torch.nn.Linear,), {})
+    return expert, torch.nn.Sequential(torch.nn.ModuleList(expert(2, 2) for _ in range(n)), torch.nn.Linear(2, 1))
+
+
+@needs_ext
+@pytest.mark.parametrize("where", ["on an instance in the model", "on an instance outside it"])
+def test_a_method_set_on_one_instance_is_seen_through_the_shared_keys_table(arena, checks, where):
+    # The record's walk reads a class's shared keys table once: where the three parts sit in it, and whether
+    # one of the traversal's methods is among its keys; each instance then finds its parts at those slots. A
+    # method set on any instance adds its key to the table: the instance that set it is refused (the Python
+    # walk reads the model), and its siblings, holding no value under it, are read as torch reads them.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    expert, m = _experts_of_a_class_of_their_own()
+    assert torch_ext.ext.build_module_tree(m, torch.nn.Module, ()) is not None  # (the table read clean first)
+    other = m[0][17] if where == "on an instance in the model" else expert(2, 2)
+    original = other.named_parameters
+    other.named_parameters = lambda *a, **kw: iter([(n + "_y", p) for n, p in original(*a, **kw)])
+    built = torch_ext.ext.build_module_tree(m, torch.nn.Module, ())
+    assert (built is None) == (where == "on an instance in the model")
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    if built is not None:
+        assert [(n, id(t)) for n, t in zip(built[1], built[2])] == truth
+    for _ in range(2):
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+
+
+@needs_ext
+@pytest.mark.parametrize("change", ["_parameters an OrderedDict", "_modules a dict subclass",
+                                    "40 more attributes", "attributes set in another order"])
+def test_one_instance_unlike_its_siblings_is_read_as_torch_reads_it(arena, checks, change):
+    # Each instance's parts are found at the slots its class's shared table gives them, and taken only as
+    # exact dicts: one whose part is another mapping is refused (the Python walk reads the model); one whose
+    # __dict__ left the shared table (too many attributes) or holds its keys in another order is looked up
+    # in as before. Either way the engine reads what torch's own walk says, and sees a change made after.
+    import collections
+
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    expert, m = _experts_of_a_class_of_their_own()
+    odd = m[0][9]
+    if change == "_parameters an OrderedDict":
+        odd.__dict__["_parameters"] = collections.OrderedDict(odd._parameters)
+    elif change == "_modules a dict subclass":
+        odd.__dict__["_modules"] = type("Modules", (dict,), {})(odd._modules)
+    elif change == "40 more attributes":
+        for i in range(40):
+            setattr(odd, f"extra_{i}", i)
+    else:
+        late = expert.__new__(expert)  # its attributes in reverse order, then the parts last
+        attributes = dict(odd.__dict__)
+        for name in reversed(list(attributes)):
+            object.__setattr__(late, name, attributes[name])
+        m[0][9] = late
+    built = torch_ext.ext.build_module_tree(m, torch.nn.Module, ())
+    assert (built is None) == change.startswith("_")
+    if built is not None:
+        truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+        assert [(n, id(t)) for n, t in zip(built[1], built[2])] == truth
+    for _ in range(2):
+        truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+        for _ in range(2):
+            assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+        _snapshot_matches(m, arena)
+        m[0][9].weight = torch.nn.Parameter(torch.randn(2, 2))  # and a change at it is seen
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

@@ -145,6 +145,7 @@ class Builder {
  public:
   Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused, bool with_modules)
       : module_type_(module_type), refused_(std::move(refused)), with_modules_(with_modules) {
+    shared_.reserve(kMaxSharedKeys);
     base_.named_modules = lookup(module_type, "named_modules");
     base_.named_parameters = lookup(module_type, "named_parameters");
     base_.named_buffers = lookup(module_type, "named_buffers");
@@ -171,14 +172,15 @@ class Builder {
     py::object hold_dict = py::reinterpret_borrow<py::object>(dict);  // (for the version check below)
     ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}, {}, {}};
     // The three parts first: their tables are asked for while the methods are looked up.
+    const SharedKeys* shared = shared_keys(dict);
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = part_of(dict, interned().parts[p]);
+      PyObject* part = shared != nullptr ? shared_part(dict, *shared, p) : part_of(dict, interned().parts[p]);
       if (part == nullptr) return false;
       facts.parts[p] = part;
       facts.part_versions[p] = version_of(part);
       prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
     }
-    if (shadows_methods(dict)) return false;
+    if (shared == nullptr && shadows_methods(dict)) return false;
     // (Nothing in a str-keyed __dict__'s lookups runs Python code; should something have changed it, the
     // parts found before are not trusted.)
     if (version_of(dict) != facts.dict_version) return false;
@@ -292,8 +294,10 @@ class Builder {
     // no code (str_keyed); visit() refuses the others.
     if (k + kParts < n) {
       if (PyObject* dict = keyed_dict(kid(kParts))) {
-        for (PyObject* name : interned().parts) {
-          PyObject* part = PyDict_GetItemWithError(dict, name);  // borrowed
+        const SharedKeys* shared = shared_keys(dict);
+        for (int p = 0; p < 3; ++p) {
+          PyObject* part = shared != nullptr ? shared_slot(dict, *shared, p)
+                                             : PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
           if (part == nullptr) PyErr_Clear();
           else __builtin_prefetch(part);  // (its type not checked: that would wait for the object)
         }
@@ -301,20 +305,93 @@ class Builder {
     }
     if (k + kPartTables < n) {
       if (PyObject* dict = keyed_dict(kid(kPartTables))) {
-        for (PyObject* name : interned().parts) {
-          if (PyObject* part = part_of(dict, name)) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+        const SharedKeys* shared = shared_keys(dict);
+        for (int p = 0; p < 3; ++p) {
+          PyObject* part = shared != nullptr ? shared_part(dict, *shared, p) : part_of(dict, interned().parts[p]);
+          if (part != nullptr) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
         }
       }
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
       if (PyObject* dict = keyed_dict(kid(kValues))) {
-        if (PyObject* part = part_of(dict, interned().parts[0])) {
+        const SharedKeys* shared = shared_keys(dict);
+        if (PyObject* part = shared != nullptr ? shared_part(dict, *shared, 0) : part_of(dict, interned().parts[0])) {
           Py_ssize_t pos = 0;
           PyObject *name, *value;
           for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
         }
       }
     }
+  }
+
+  // Instances of one class keep their attributes under one shared keys table ("split" dicts, PEP 412), each
+  // its values in an array of its own. Such a table is read once: where the three parts sit in it, and
+  // whether none of its keys is one of the traversal's methods; every instance then finds its parts at
+  // those slots of its values, where lookups (7 a module, as many again to warm the next ones) were a
+  // third of the walk. A shared table only grows (a key an instance sets that it lacks is appended, one
+  // an instance deletes stays, its value NULL), so its entry count says whether it is still as read; the
+  // tables outlive the walk (the dicts it reads hold them).
+  static constexpr size_t kMaxSharedKeys = 64;
+  struct SharedKeys {
+    const DictKeys* keys;
+    Py_ssize_t num_entries;
+    Py_ssize_t at[3];  // each part's entry
+    bool plain;  // each part has an entry, and no method does
+  };
+
+  // The shared keys facts of a split dict whose table is plain, else nullptr (the dict is looked up in).
+  const SharedKeys* shared_keys(PyObject* dict) {
+    if (reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
+    const DictKeys* keys = keys_of(dict);
+    if (keys->dk_kind != kDictKeysSplit) return nullptr;
+    for (const SharedKeys& s : shared_) {
+      if (s.keys == keys && s.num_entries == keys->dk_nentries) return s.plain ? &s : nullptr;
+    }
+    if (shared_.size() >= kMaxSharedKeys) return nullptr;  // (a model of few classes has few tables: past that, look up)
+    shared_.push_back(read_shared(keys));
+    return shared_.back().plain ? &shared_.back() : nullptr;
+  }
+
+  static SharedKeys read_shared(const DictKeys* keys) {
+    SharedKeys s{keys, keys->dk_nentries, {-1, -1, -1}, true};
+    // (CPython caps a shared table at 30 entries; anything past a small bound is not read here.)
+    if (s.num_entries < 0 || s.num_entries > 64) {
+      s.plain = false;
+      return s;
+    }
+    const DictUnicodeEntry* entries = unicode_entries(keys);
+    auto same = [](PyObject* key, PyObject* name) {
+      // (Exact strs compare by their characters, no Python code: an equal str that is not the interned one
+      // is still that name.)
+      return key == name || (PyUnicode_CheckExact(key) && PyUnicode_Compare(key, name) == 0);
+    };
+    for (Py_ssize_t i = 0; i < s.num_entries; ++i) {
+      PyObject* key = entries[i].me_key;
+      if (key == nullptr || !PyUnicode_CheckExact(key)) {
+        s.plain = false;
+        break;
+      }
+      for (int p = 0; p < 3; ++p) {
+        if (same(key, interned().parts[p])) s.at[p] = i;
+      }
+      for (PyObject* method : interned().methods) {
+        if (same(key, method)) s.plain = false;
+      }
+    }
+    for (int p = 0; p < 3; ++p) s.plain = s.plain && s.at[p] >= 0;
+    return s;
+  }
+
+  // The value a split dict holds for part p (nullptr: not set on this instance).
+  static PyObject* shared_slot(PyObject* dict, const SharedKeys& s, int p) {
+    // (3.11's and 3.12's PyDictValues: the values array itself, opaque outside CPython.)
+    return reinterpret_cast<PyObject**>(reinterpret_cast<PyDictObject*>(dict)->ma_values)[s.at[p]];
+  }
+
+  // part_of() through the shared keys facts: the part where it is an exact dict, else nullptr.
+  static PyObject* shared_part(PyObject* dict, const SharedKeys& s, int p) {
+    PyObject* part = shared_slot(dict, s, p);
+    return part != nullptr && PyDict_CheckExact(part) ? part : nullptr;
   }
 
   // How much the record holds so far, vector by vector (see reserve_like_first).
@@ -489,6 +566,7 @@ class Builder {
   std::vector<PyTypeObject*> refused_;  // classes whose instances make the module another strategy's
   ModuleMethods base_;
   std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
+  std::vector<SharedKeys> shared_;  // (reserved for all it may hold: the pointers shared_keys gives stay valid)
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references

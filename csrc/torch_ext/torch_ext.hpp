@@ -43,20 +43,38 @@ inline uint64_t version_of(PyObject* dict) { return reinterpret_cast<PyDictObjec
 #pragma GCC diagnostic pop
 #endif
 
+// CPython 3.11's and 3.12's PyDictKeysObject head and a str-keyed table's entry, as their pycore_dict.h declares
+// them (3.13 adds a mutex under free threading and moves the values; the version gate above excludes it).
+struct DictKeys {
+  Py_ssize_t dk_refcnt;
+  uint8_t dk_log2_size;
+  uint8_t dk_log2_index_bytes;
+  uint8_t dk_kind;  // 0: DICT_KEYS_GENERAL, 1: DICT_KEYS_UNICODE, 2: DICT_KEYS_SPLIT
+  uint32_t dk_version;
+  Py_ssize_t dk_usable;
+  Py_ssize_t dk_nentries;
+};
+struct DictUnicodeEntry {
+  PyObject* me_key;
+  PyObject* me_value;  // (a combined table's; a split table keeps its values in the dict's ma_values)
+};
+constexpr uint8_t kDictKeysSplit = 2;
+
+inline const DictKeys* keys_of(PyObject* dict) {
+  return reinterpret_cast<const DictKeys*>(reinterpret_cast<PyDictObject*>(dict)->ma_keys);
+}
+
+// A str-keyed table's entries: after the head and its index table of 2**dk_log2_index_bytes bytes.
+inline const DictUnicodeEntry* unicode_entries(const DictKeys* keys) {
+  return reinterpret_cast<const DictUnicodeEntry*>(reinterpret_cast<const char*>(keys) + sizeof(DictKeys) +
+                                                   (size_t{1} << keys->dk_log2_index_bytes));
+}
+
 // Whether a lookup of a str in this dict runs no Python code: every key an exact str. CPython keeps such a
 // dict's keys as a "unicode" or "split" table and compares a str with them by their characters; a key of any
 // other type (a str subclass too) makes the table "general", where a lookup calls the stored key's __eq__,
-// which may change or free anything, the dict being read included. (The first fields of CPython 3.11's and
-// 3.12's PyDictKeysObject, as their pycore_dict.h declares them; dk_kind 0 is DICT_KEYS_GENERAL.)
-inline bool str_keyed(PyObject* dict) {
-  struct KeysHead {
-    Py_ssize_t dk_refcnt;
-    uint8_t dk_log2_size;
-    uint8_t dk_log2_index_bytes;
-    uint8_t dk_kind;
-  };
-  return reinterpret_cast<const KeysHead*>(reinterpret_cast<PyDictObject*>(dict)->ma_keys)->dk_kind != 0;
-}
+// which may change or free anything, the dict being read included.
+inline bool str_keyed(PyObject* dict) { return keys_of(dict)->dk_kind != 0; }
 #endif
 
 // A vector sized ahead for the most it could hold (its untouched pages cost nothing), cut down to what it holds
