@@ -108,6 +108,101 @@ PyObject* part_of(PyObject* dict, PyObject* name) {
   return PyDict_CheckExact(part) ? part : nullptr;
 }
 
+// Instances of one class keep their attributes under one shared keys table ("split" dicts, PEP 412), each its
+// values in an array of its own. A walk reads such a table once: where the three parts sit in it, and whether
+// none of its keys is one of the traversal's methods; every instance then finds its parts at those slots of
+// its values, where lookups (7 a module, as many again to warm the next ones) were a third of the walk. A
+// shared table only grows (a key an instance sets that it lacks is appended; one an instance deletes stays,
+// its value NULL), so its entry count says whether it is still as read. Kept for one walk only, during which
+// no Python code runs and every table read stays alive (the dicts it reads hold them).
+class SharedKeysTables {
+ public:
+  struct Table {
+    const DictKeys* keys;
+    Py_ssize_t num_entries;
+    Py_ssize_t at[3];  // each part's entry
+    bool plain;  // each part has an entry, and no method does
+  };
+
+  SharedKeysTables() { tables_.reserve(kMaxTables); }
+
+  // The facts of a split dict's table where it is plain, else nullptr (the dict is looked up in).
+  const Table* of(PyObject* dict) {
+    if (reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
+    const DictKeys* keys = keys_of(dict);
+    if (keys->dk_kind != kDictKeysSplit) return nullptr;
+    for (const Table& t : tables_) {
+      if (t.keys == keys && t.num_entries == keys->dk_nentries) return t.plain ? &t : nullptr;
+    }
+    if (tables_.size() >= kMaxTables) return nullptr;  // (a model of few classes has few tables: past that, look up)
+    tables_.push_back(read(keys));  // (reserved: the pointers given before stay valid)
+    return tables_.back().plain ? &tables_.back() : nullptr;
+  }
+
+  // The value a split dict holds for part p (nullptr: not set on this instance).
+  static PyObject* slot(PyObject* dict, const Table& t, int p) {
+    // (3.11's and 3.12's PyDictValues: the values array itself, opaque outside CPython.)
+    return reinterpret_cast<PyObject**>(reinterpret_cast<PyDictObject*>(dict)->ma_values)[t.at[p]];
+  }
+
+  // part_of() through a table's facts: the part where it is an exact dict, else nullptr.
+  static PyObject* part(PyObject* dict, const Table& t, int p) {
+    PyObject* found = slot(dict, t, p);
+    return found != nullptr && PyDict_CheckExact(found) ? found : nullptr;
+  }
+
+ private:
+  static constexpr size_t kMaxTables = 64;
+
+  static Table read(const DictKeys* keys) {
+    Table t{keys, keys->dk_nentries, {-1, -1, -1}, true};
+    // (CPython caps a shared table at 30 entries; anything past a small bound is not read here.)
+    if (t.num_entries < 0 || t.num_entries > 64) {
+      t.plain = false;
+      return t;
+    }
+    const DictUnicodeEntry* entries = unicode_entries(keys);
+    auto same = [](PyObject* key, PyObject* name) {
+      // (Exact strs compare by their characters, no Python code: an equal str that is not the interned one
+      // is still that name.)
+      return key == name || PyUnicode_Compare(key, name) == 0;
+    };
+    for (Py_ssize_t i = 0; i < t.num_entries; ++i) {
+      PyObject* key = entries[i].me_key;
+      if (key == nullptr || !PyUnicode_CheckExact(key)) {
+        t.plain = false;
+        break;
+      }
+      for (int p = 0; p < 3; ++p) {
+        if (same(key, interned().parts[p])) t.at[p] = i;
+      }
+      for (PyObject* method : interned().methods) {
+        if (same(key, method)) t.plain = false;
+      }
+    }
+    for (int p = 0; p < 3; ++p) t.plain = t.plain && t.at[p] >= 0;
+    return t;
+  }
+
+  std::vector<Table> tables_;
+};
+
+// A module's three parts from its __dict__ (exact dicts, borrowed), through `tables` where its table is plain
+// (then no method is shadowed), else looked up. false: a part is missing or not an exact dict, or (looked up)
+// a method is shadowed.
+bool parts_of(PyObject* dict, SharedKeysTables& tables, PyObject* parts[3]) {
+  if (const SharedKeysTables::Table* t = tables.of(dict)) {
+    for (int p = 0; p < 3; ++p) {
+      if ((parts[p] = SharedKeysTables::part(dict, *t, p)) == nullptr) return false;
+    }
+    return true;
+  }
+  for (int p = 0; p < 3; ++p) {
+    if ((parts[p] = part_of(dict, interned().parts[p])) == nullptr) return false;
+  }
+  return !shadows_methods(dict);
+}
+
 }  // namespace
 
 class ModuleTree {
@@ -145,7 +240,6 @@ class Builder {
  public:
   Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused, bool with_modules)
       : module_type_(module_type), refused_(std::move(refused)), with_modules_(with_modules) {
-    shared_.reserve(kMaxSharedKeys);
     base_.named_modules = lookup(module_type, "named_modules");
     base_.named_parameters = lookup(module_type, "named_parameters");
     base_.named_buffers = lookup(module_type, "named_buffers");
@@ -171,16 +265,11 @@ class Builder {
     if (!str_keyed(dict)) return false;  // (its lookups could run code: the Python walk reads it)
     py::object hold_dict = py::reinterpret_borrow<py::object>(dict);  // (for the version check below)
     ModuleFacts facts{module, type, tag, dict, version_of(dict), {}, {}, {}, {}};
-    // The three parts first: their tables are asked for while the methods are looked up.
-    const SharedKeys* shared = shared_keys(dict);
+    if (!parts_of(dict, tables_, facts.parts)) return false;
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = shared != nullptr ? shared_part(dict, *shared, p) : part_of(dict, interned().parts[p]);
-      if (part == nullptr) return false;
-      facts.parts[p] = part;
-      facts.part_versions[p] = version_of(part);
-      prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+      facts.part_versions[p] = version_of(facts.parts[p]);
+      prefetch_table(reinterpret_cast<PyDictObject*>(facts.parts[p])->ma_keys);
     }
-    if (shared == nullptr && shadows_methods(dict)) return false;
     // (Nothing in a str-keyed __dict__'s lookups runs Python code; should something have changed it, the
     // parts found before are not trusted.)
     if (version_of(dict) != facts.dict_version) return false;
@@ -294,9 +383,9 @@ class Builder {
     // no code (str_keyed); visit() refuses the others.
     if (k + kParts < n) {
       if (PyObject* dict = keyed_dict(kid(kParts))) {
-        const SharedKeys* shared = shared_keys(dict);
+        const SharedKeysTables::Table* shared = tables_.of(dict);
         for (int p = 0; p < 3; ++p) {
-          PyObject* part = shared != nullptr ? shared_slot(dict, *shared, p)
+          PyObject* part = shared != nullptr ? SharedKeysTables::slot(dict, *shared, p)
                                              : PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
           if (part == nullptr) PyErr_Clear();
           else __builtin_prefetch(part);  // (its type not checked: that would wait for the object)
@@ -305,93 +394,23 @@ class Builder {
     }
     if (k + kPartTables < n) {
       if (PyObject* dict = keyed_dict(kid(kPartTables))) {
-        const SharedKeys* shared = shared_keys(dict);
+        const SharedKeysTables::Table* shared = tables_.of(dict);
         for (int p = 0; p < 3; ++p) {
-          PyObject* part = shared != nullptr ? shared_part(dict, *shared, p) : part_of(dict, interned().parts[p]);
+          PyObject* part = shared != nullptr ? SharedKeysTables::part(dict, *shared, p) : part_of(dict, interned().parts[p]);
           if (part != nullptr) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
         }
       }
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
       if (PyObject* dict = keyed_dict(kid(kValues))) {
-        const SharedKeys* shared = shared_keys(dict);
-        if (PyObject* part = shared != nullptr ? shared_part(dict, *shared, 0) : part_of(dict, interned().parts[0])) {
+        const SharedKeysTables::Table* shared = tables_.of(dict);
+        if (PyObject* part = shared != nullptr ? SharedKeysTables::part(dict, *shared, 0) : part_of(dict, interned().parts[0])) {
           Py_ssize_t pos = 0;
           PyObject *name, *value;
           for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
         }
       }
     }
-  }
-
-  // Instances of one class keep their attributes under one shared keys table ("split" dicts, PEP 412), each
-  // its values in an array of its own. Such a table is read once: where the three parts sit in it, and
-  // whether none of its keys is one of the traversal's methods; every instance then finds its parts at
-  // those slots of its values, where lookups (7 a module, as many again to warm the next ones) were a
-  // third of the walk. A shared table only grows (a key an instance sets that it lacks is appended, one
-  // an instance deletes stays, its value NULL), so its entry count says whether it is still as read; the
-  // tables outlive the walk (the dicts it reads hold them).
-  static constexpr size_t kMaxSharedKeys = 64;
-  struct SharedKeys {
-    const DictKeys* keys;
-    Py_ssize_t num_entries;
-    Py_ssize_t at[3];  // each part's entry
-    bool plain;  // each part has an entry, and no method does
-  };
-
-  // The shared keys facts of a split dict whose table is plain, else nullptr (the dict is looked up in).
-  const SharedKeys* shared_keys(PyObject* dict) {
-    if (reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
-    const DictKeys* keys = keys_of(dict);
-    if (keys->dk_kind != kDictKeysSplit) return nullptr;
-    for (const SharedKeys& s : shared_) {
-      if (s.keys == keys && s.num_entries == keys->dk_nentries) return s.plain ? &s : nullptr;
-    }
-    if (shared_.size() >= kMaxSharedKeys) return nullptr;  // (a model of few classes has few tables: past that, look up)
-    shared_.push_back(read_shared(keys));
-    return shared_.back().plain ? &shared_.back() : nullptr;
-  }
-
-  static SharedKeys read_shared(const DictKeys* keys) {
-    SharedKeys s{keys, keys->dk_nentries, {-1, -1, -1}, true};
-    // (CPython caps a shared table at 30 entries; anything past a small bound is not read here.)
-    if (s.num_entries < 0 || s.num_entries > 64) {
-      s.plain = false;
-      return s;
-    }
-    const DictUnicodeEntry* entries = unicode_entries(keys);
-    auto same = [](PyObject* key, PyObject* name) {
-      // (Exact strs compare by their characters, no Python code: an equal str that is not the interned one
-      // is still that name.)
-      return key == name || (PyUnicode_CheckExact(key) && PyUnicode_Compare(key, name) == 0);
-    };
-    for (Py_ssize_t i = 0; i < s.num_entries; ++i) {
-      PyObject* key = entries[i].me_key;
-      if (key == nullptr || !PyUnicode_CheckExact(key)) {
-        s.plain = false;
-        break;
-      }
-      for (int p = 0; p < 3; ++p) {
-        if (same(key, interned().parts[p])) s.at[p] = i;
-      }
-      for (PyObject* method : interned().methods) {
-        if (same(key, method)) s.plain = false;
-      }
-    }
-    for (int p = 0; p < 3; ++p) s.plain = s.plain && s.at[p] >= 0;
-    return s;
-  }
-
-  // The value a split dict holds for part p (nullptr: not set on this instance).
-  static PyObject* shared_slot(PyObject* dict, const SharedKeys& s, int p) {
-    // (3.11's and 3.12's PyDictValues: the values array itself, opaque outside CPython.)
-    return reinterpret_cast<PyObject**>(reinterpret_cast<PyDictObject*>(dict)->ma_values)[s.at[p]];
-  }
-
-  // part_of() through the shared keys facts: the part where it is an exact dict, else nullptr.
-  static PyObject* shared_part(PyObject* dict, const SharedKeys& s, int p) {
-    PyObject* part = shared_slot(dict, s, p);
-    return part != nullptr && PyDict_CheckExact(part) ? part : nullptr;
   }
 
   // How much the record holds so far, vector by vector (see reserve_like_first).
@@ -566,7 +585,7 @@ class Builder {
   std::vector<PyTypeObject*> refused_;  // classes whose instances make the module another strategy's
   ModuleMethods base_;
   std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
-  std::vector<SharedKeys> shared_;  // (reserved for all it may hold: the pointers shared_keys gives stay valid)
+  SharedKeysTables tables_;
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
@@ -612,7 +631,7 @@ bool same_items(PyObject* part, const Entry* entries, int32_t n) {
 
 // Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
 // held by a _modules dict found unchanged before it (pre-order), so following it is safe.
-bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries) {
+bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries, SharedKeysTables& tables) {
   PyTypeObject* type = Py_TYPE(m.module);
   if (type != m.type || type->tp_version_tag != m.type_tag) return false;
   PyObject** dict_ptr = _PyObject_GetDictPtr(m.module);
@@ -624,13 +643,10 @@ bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries) {
   if (dict != m.dict || version_of(dict) != m.dict_version) {
     // (A dict whose lookups could run code is not looked up in: the traversal is recorded again, and the
     // builder refuses it. Code run here could change or free what this check has already passed.)
-    if (!PyDict_CheckExact(dict) || !str_keyed(dict) || shadows_methods(dict)) return false;
+    PyObject* parts[3];
+    if (!PyDict_CheckExact(dict) || !str_keyed(dict) || !parts_of(dict, tables, parts)) return false;
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = PyDict_GetItemWithError(dict, interned().parts[p]);
-      if (part != m.parts[p]) {
-        PyErr_Clear();
-        return false;
-      }
+      if (parts[p] != m.parts[p]) return false;
     }
     m.dict = dict;  // the same three dicts are bound: the change was elsewhere (e.g. `training`)
     m.dict_version = version_of(dict);
@@ -661,9 +677,10 @@ bool walk(ModuleTree& tree, PyObject* root) {
   if (tree.modules.empty() || tree.modules[0].module != root) return false;
   const size_t n = tree.modules.size();
   constexpr size_t kAhead = 4;
+  SharedKeysTables tables;  // (read only where a __dict__ changed, e.g. `training`: a table a class)
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) prefetch_module(tree.modules[i + kAhead]);
-    if (!module_unchanged(tree.modules[i], tree.entries)) return false;
+    if (!module_unchanged(tree.modules[i], tree.entries, tables)) return false;
   }
   return true;
 }
