@@ -324,7 +324,7 @@ class TargetPlan:
             self.live, self._groups = like.live, like._groups
         else:
             self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
-            if len(set(devices)) == 1:
+            if devices and devices.count(devices[0]) == len(devices):  # (one device; no set of 65536 ints made)
                 groups = {devices[0]: self.live} if self.live else {}
             else:
                 groups = {}
@@ -881,7 +881,7 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                              len(tensors), (time.perf_counter() - start) * 1e3)
             return Resolved(plan, plain, None, False, wrapped=tensors)
     # (Bound as their local tensors: the layout is the same, and the helper's bind records plain tensors only.)
-    bound = bind_lists(names, plain, nbytes_of)
+    bound = bind_lists(names, plain, nbytes_of, distinct=getattr(named, "distinct", False))
     plan = _new_plan(names, tensors, bound, shard_info, cache=nbytes_of is None, plain=plain)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("plan: %s target of %d tensors, %d storages read in %.3f ms (the next call on it is cached)",

@@ -189,7 +189,7 @@ class Bound:
 
     def __init__(self, layout: Layout, storages: Optional[list[torch.UntypedStorage]], keys: Optional[list[int]],
                  record: Any = None, tensors: Optional[list[torch.Tensor]] = None,
-                 first_tensor: Optional[list[int]] = None) -> None:
+                 first_tensor: Optional[Sequence[int]] = None) -> None:
         self.layout = layout
         # The storages' identities (StorageImpl addresses), stable while they live; None: the record's, read
         # when first asked for (a snapshot of a target nothing is offloaded from never asks).
@@ -307,19 +307,25 @@ def split_named(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[str], l
     return [n for n, _ in named], [t for _, t in named]
 
 
-def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optional[dict[int, int]] = None) -> Bound:
-    """bind() of names and tensors given as two lists (never changed afterwards: the layout keeps them)."""
+def bind_lists(names: list[str], tensors: list[torch.Tensor], nbytes_of: Optional[dict[int, int]] = None,
+               distinct: bool = False) -> Bound:
+    """bind() of names and tensors given as two lists (never changed afterwards: the layout keeps them).
+    distinct: the names are known to be distinct (a recorded traversal's, see adapters.Named); the C++ bind
+    then does not check them again (the Python bind, which builds its set as it goes, does)."""
     if len(names) != len(tensors):
         raise OffloadError(f"{len(names)} names for {len(tensors)} tensors")
     ext = _ext
     if ext is not None and nbytes_of is None and type(names) is list and type(tensors) is list:
         # One C++ pass where every tensor is a plain one under a distinct name (else the loop below, which
         # also words what is wrong). Its tensor columns are made from the record when someone reads them.
-        found = ext.bind(names, tensors, _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES)
+        found = ext.bind(names, tensors, _LARGE_ALIGNMENT, _SMALL_ALIGNMENT, _SMALL_STORAGE_BYTES, distinct)
         if found is not None:
             record, first, nbytes, devices, hosts, host_bytes, extent = found
-            layout = Layout.from_columns(names, record.tensor_columns,
-                                         (list(map(names.__getitem__, first)), nbytes, devices, hosts),
+            if first is None:  # tensor i is the first on storage i, for every i: the names are the storages'
+                first, storage_names = range(len(names)), names
+            else:
+                storage_names = list(map(names.__getitem__, first))
+            layout = Layout.from_columns(names, record.tensor_columns, (storage_names, nbytes, devices, hosts),
                                          host_bytes, extent)
             return Bound(layout, None, None, record=record, tensors=tensors, first_tensor=first)
     seen_names: set[str] = set()

@@ -415,6 +415,60 @@ def test_one_instance_unlike_its_siblings_is_read_as_torch_reads_it(arena, check
         m[0][9].weight = torch.nn.Parameter(torch.randn(2, 2))  # and a change at it is seen
 
 
+def _crafted_duplicates(kind: str) -> torch.nn.Module:
+    # Names a traversal makes twice, through writes into a module's dicts (register_* and add_module refuse each).
+    m = torch.nn.Module()
+    m.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
+    if kind == "a key holding a dot":
+        m.add_module("a", torch.nn.Module())
+        m.a.register_parameter("b", torch.nn.Parameter(torch.ones(2)))
+        m._parameters["a.b"] = torch.nn.Parameter(torch.ones(3))  # "a.b", as the child's
+    elif kind == "an empty key":
+        child = torch.nn.Module()
+        child.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
+        m._modules[""] = child  # its "w" is named "w", as the root's
+    elif kind == "a parameter and a buffer of one name":
+        m._buffers["w"] = torch.ones(2)
+    else:  # a child under a parameter's key: its "grad" is named as the parameter's gradient
+        child = torch.nn.Module()
+        child._parameters["grad"] = torch.nn.Parameter(torch.ones(2))
+        m._modules["w"] = child
+        m.w.grad = torch.ones(2)
+    return m
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["a key holding a dot", "an empty key", "a parameter and a buffer of one name",
+                                  "a child under a parameter's key"])
+def test_a_recorded_traversal_vouches_for_distinct_names_only_where_they_are(arena, checks, kind):
+    # A fresh bind of a recorded traversal does not check its names again where the record says they are
+    # distinct by how they were made (each key non-empty without a ".", no child under a tensor's key, no
+    # parameter and buffer of one name): anything else is checked, and a name made twice refused as before.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    m = _crafted_duplicates(kind)
+    assert torch_ext.ext.build_module_tree(m, torch.nn.Module, ())[0].names_distinct is False
+    with_grads = kind == "a child under a parameter's key"
+    if not with_grads:
+        with pytest.raises(go.OffloadError, match="duplicate tensor name"):
+            go.snapshot(m, arena=arena)
+    else:
+        go.snapshot(m, arena=arena).free()  # (its names without the gradients are distinct)
+    with pytest.raises(go.OffloadError, match="duplicate tensor name"):
+        go.offload(m, arena=arena, grads="copy")
+    assert not go.is_offloaded(m)
+    # A model whose names are distinct, odd as they are (a tied weight, a module reached twice, names not
+    # ASCII, a parameter and a buffer in one module, a None slot), is vouched for, and read as torch reads it.
+    shared = torch.nn.Linear(2, 2)
+    ok = torch.nn.Sequential(shared, torch.nn.ModuleDict({"深": shared, "b": torch.nn.BatchNorm1d(2)}))
+    ok[1]["b"].register_parameter("unused", None)
+    ok[0].weight.grad = torch.ones(2, 2)
+    assert torch_ext.ext.build_module_tree(ok, torch.nn.Module, ())[0].names_distinct is True
+    _snapshot_matches(ok, arena)
+    go.offload(ok, arena=arena, grads="copy")
+    go.reload(ok)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

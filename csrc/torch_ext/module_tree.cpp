@@ -215,6 +215,9 @@ class ModuleTree {
   std::vector<PyObject*> tensors;
   size_t num_tensors = 0;
   size_t num_params = 0;
+  // Whether the traversal's names are distinct by construction, with their "<name>.grad"s too (see
+  // Builder::key_ok): then bind() need not hash every name to find out.
+  bool names_distinct = false;
   // tensors_with_grads(): the names it answered last (the traversal's, then "<name>.grad" of each parameter
   // that had a grad), for that set of parameters (`grads_of`) under that traversal's names (`base`), so that a
   // call finding the same set answers with the same list (the plan cache then compares names by identity);
@@ -284,6 +287,9 @@ class Builder {
       }
       facts.num_entries[p] = static_cast<int32_t>(tree_.entries.size()) - facts.entries_at[p];
     }
+    if (distinct_ && PyDict_GET_SIZE(facts.parts[0]) != 0 && PyDict_GET_SIZE(facts.parts[1]) != 0) {
+      distinct_ = disjoint(facts.parts[0], facts.parts[1]);  // (a parameter and a buffer of one name)
+    }
     tree_.modules.push_back(facts);
     if (with_modules_) add_module(module, prefix);
     // The children, in order, each held (a reference taken) until the siblings before it are visited.
@@ -293,7 +299,14 @@ class Builder {
     while (PyDict_Next(facts.parts[2], &pos, &name, &child)) {
       if (child == Py_None) continue;
       if (!PyUnicode_CheckExact(name)) return false;
+      distinct_ = distinct_ && key_ok(name);
       kids_.emplace_back(name, child);
+    }
+    // (A child under the key of one of the module's own tensors: "<key>.<its tensor>" may then be another
+    // name's, or a "<key>.grad". Register_* and add_module refuse that; a write into the dicts does not.)
+    if (distinct_ && PyDict_GET_SIZE(facts.parts[2]) != 0 &&
+        (PyDict_GET_SIZE(facts.parts[0]) != 0 || PyDict_GET_SIZE(facts.parts[1]) != 0)) {
+      distinct_ = disjoint(facts.parts[2], facts.parts[0]) && disjoint(facts.parts[2], facts.parts[1]);
     }
     const size_t num_kids = kids_.size() - first_kid;
     for (size_t k = 0; k < num_kids; ++k) {
@@ -331,6 +344,7 @@ class Builder {
     py::list names(num_params + buffers_.size()), tensors(num_params + buffers_.size());
     tree_.num_tensors = num_params + buffers_.size();
     tree_.num_params = num_params;
+    tree_.names_distinct = distinct_;
     tree_.tensors.reserve(tree_.num_tensors);
     for (const py::object& t : params_) tree_.tensors.push_back(t.ptr());
     for (const py::object& t : buffers_) tree_.tensors.push_back(t.ptr());
@@ -529,6 +543,32 @@ class Builder {
     return join(path_object.ptr(), name);
   }
 
+  // A traversal's name is its modules' keys and its tensor's key joined by "."; while no key is empty or holds
+  // a ".", the keys can be read back from a name, so two names are equal only where the keys on their
+  // paths are, which a dict's distinct keys rule out but for the cases disjoint() is asked about.
+  static bool key_ok(PyObject* key) {
+    const Py_ssize_t n = PyUnicode_GET_LENGTH(key);
+    if (n == 0) return false;
+    if (PyUnicode_IS_ASCII(key)) return std::memchr(PyUnicode_1BYTE_DATA(key), '.', static_cast<size_t>(n)) == nullptr;
+    return PyUnicode_FindChar(key, '.', 0, n, 1) == -1;  // (-2, an error, cannot be: an exact str, in range)
+  }
+
+  // Whether no key of `a` is one of `b`'s (both exact dicts; false where b's lookups could run code).
+  static bool disjoint(PyObject* a, PyObject* b) {
+    if (!str_keyed(b)) return false;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(a, &pos, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) return false;
+      const int found = PyDict_Contains(b, key);
+      if (found != 0) {
+        if (found < 0) PyErr_Clear();
+        return false;
+      }
+    }
+    return true;
+  }
+
   // with_modules: each visit's (path, module), later reduced to named_modules()' items (first_visits). The
   // path is the prefix the module is visited under: `prefix`, or path_ where that is nullptr.
   void add_module(PyObject* module, PyObject* prefix) {
@@ -575,6 +615,7 @@ class Builder {
       tree_.keys.push_back(py::reinterpret_borrow<py::object>(name));
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(name) || !is_tensor(value)) return false;
+      distinct_ = distinct_ && key_ok(name);
       names.push_back(join_prefix(prefix, name));
       values.push_back(py::reinterpret_borrow<py::object>(value));
     }
@@ -590,6 +631,7 @@ class Builder {
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack
   std::vector<py::object> held_;  // kids_' references
   std::string path_;  // the prefix of the module being visited, while it is ASCII (see visit)
+  bool distinct_ = true;  // (see ModuleTree::names_distinct)
   std::vector<py::object> param_names_, params_, buffer_names_, buffers_;
   // with_modules: named_modules() (each module once, at its first visit, pre-order): paths and modules.
   bool with_modules_;
@@ -789,7 +831,11 @@ void bind_module_tree(py::module_& m) {
            "(parameters, buffers, then each parameter's .grad as \"<name>.grad\"); None if `root` changed. "
            "`names`: the traversal's names; answered as is where no parameter has a grad, and the same list "
            "again while the same parameters have one.")
-      .def_property_readonly("num_modules", [](const ModuleTree& t) { return t.modules.size(); });
+      .def_property_readonly("num_modules", [](const ModuleTree& t) { return t.modules.size(); })
+      .def_property_readonly("names_distinct", [](const ModuleTree& t) { return t.names_distinct; },
+                             "Whether the traversal's names, and each with \".grad\" appended, are distinct by how "
+                             "they were made (no key empty or holding a \".\", no child under a tensor's key, no "
+                             "parameter and buffer of one name): bind() need not check them.");
 }
 
 #else  // no usable dict version tags: no recorded traversal
@@ -803,7 +849,8 @@ void bind_module_tree(py::module_& m) {
       .def("check", &check_module_tree, py::arg("root"))
       .def("tensors", [](const ModuleTree&, py::handle) { return py::none(); }, py::arg("root"))
       .def("tensors_with_grads", [](const ModuleTree&, py::handle, py::handle) { return py::none(); },
-           py::arg("root"), py::arg("names"));
+           py::arg("root"), py::arg("names"))
+      .def_property_readonly("names_distinct", [](const ModuleTree&) { return false; });
 }
 
 #endif

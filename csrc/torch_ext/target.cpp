@@ -350,7 +350,7 @@ TargetRecord::TargetRecord(py::handle list) {
 }
 
 py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
-                              int64_t small_storage_bytes) {
+                              int64_t small_storage_bytes, bool names_distinct) {
   std::unique_ptr<TargetRecord> record;
   try {
     record = std::make_unique<TargetRecord>(tensors);
@@ -359,7 +359,11 @@ py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t larg
   }
   const TargetRecord& r = *record;
   const size_t n = r.tensors_.size(), num_storages = r.storages_.size();
-  if (!distinct_names(names, static_cast<Py_ssize_t>(n))) return py::none();
+  if (names_distinct) {
+    if (!PyList_CheckExact(names.ptr()) || PyList_GET_SIZE(names.ptr()) != static_cast<Py_ssize_t>(n)) return py::none();
+  } else if (!distinct_names(names, static_cast<Py_ssize_t>(n))) {
+    return py::none();
+  }
   // Host offsets as storages.bind() lays them out; the first tensor (if any) that reaches past its storage.
   std::vector<int64_t> host_offsets(num_storages);
   int64_t host = 0;
@@ -386,7 +390,12 @@ py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t larg
     }
   }
   const auto& ss = r.storages_;
-  py::list first = new_list(num_storages, [&](size_t j) { return new_int(r.first_tensor_[j]); });
+  // None where every tensor is the first on a storage of its own, in order (tensor i on storage i, the
+  // usual model): the caller's range() then, and its tensor names are the storages'.
+  bool identity = num_storages == n;
+  for (size_t j = 0; identity && j < num_storages; ++j) identity = r.first_tensor_[j] == static_cast<int32_t>(j);
+  py::object first = identity ? py::object(py::none())
+                              : py::object(new_list(num_storages, [&](size_t j) { return new_int(r.first_tensor_[j]); }));
   py::list nbytes = new_list(num_storages, [&](size_t j) { return new_int(static_cast<int64_t>(ss[j].nbytes)); });
   py::list devices = new_list(num_storages, [&](size_t j) { return new_int(ss[j].device.is_cpu() ? -1 : ss[j].device.index()); });
   py::list hosts = new_list(num_storages, [&](size_t j) { return new_int(host_offsets[j]); });

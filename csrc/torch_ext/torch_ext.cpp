@@ -273,10 +273,11 @@ PYBIND11_MODULE(_torch_ext, m) {
       py::arg("tensors"),
       "A TargetRecord of a list of plain tensors (exact torch.Tensor/Parameter with strided storage), or None.");
   m.def("bind", &TargetRecord::bind, py::arg("names"), py::arg("tensors"), py::arg("large_alignment"),
-        py::arg("small_alignment"), py::arg("small_storage_bytes"),
-        "storages.bind() of plain tensors in one pass: (record, each storage's first tensor, nbytes, device index "
-        "and host offset, the host bytes, the first tensor reaching past its storage or -1), or None where the "
-        "Python bind must decide.");
+        py::arg("small_alignment"), py::arg("small_storage_bytes"), py::arg("names_distinct") = false,
+        "storages.bind() of plain tensors in one pass: (record, each storage's first tensor (None: tensor i is the "
+        "first on storage i, for every i), nbytes, device index and host offset, the host bytes, the first tensor "
+        "reaching past its storage or -1), or None where the Python bind must decide. names_distinct: the names "
+        "are known distinct (a ModuleTree's names_distinct), not checked again.");
   m.def("resize_storages", &resize_storages, py::arg("storages"), py::arg("nbytes"),
         py::arg("through_allocator") = false,
         "UntypedStorage.resize_(n) for many CPU storages (tensors or UntypedStorages) in one call (stops at "

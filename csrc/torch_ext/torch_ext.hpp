@@ -167,7 +167,7 @@ class TargetRecord {
   // and the first tensor reaching past its storage or -1), or None where the Python bind must decide (and
   // word the error).
   static py::object bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
-                         int64_t small_storage_bytes);
+                         int64_t small_storage_bytes, bool names_distinct);
   // The tensors as recorded: (storage index, offset, shape, stride, dtype) lists (a layout's tensor columns,
   // made when someone reads them: they never change).
   py::tuple tensor_columns() const;

@@ -41,14 +41,18 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
     tensors is read on every call, and building a tuple per entry costs more than the rest of a cached
     call (the garbage collector then also walks them)."""
 
-    __slots__ = ("names", "tensors", "num_grads")
+    __slots__ = ("names", "tensors", "num_grads", "distinct")
 
-    def __init__(self, names: list[str], tensors: list[torch.Tensor], num_grads: int = 0) -> None:
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], num_grads: int = 0,
+                 distinct: bool = False) -> None:
         self.names = names
         self.tensors = tensors
         # How many of the pairs, at the end, are gradients (named_tensors(include_grads=True)): the ones before
         # are what named_tensors(include_grads=False) answers (see state()). 0 where none or not known.
         self.num_grads = num_grads
+        # True: the names are distinct by how they were made (a recorded traversal's, see ModuleTree's
+        # names_distinct), so a fresh bind need not check them; False: not known.
+        self.distinct = distinct
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, torch.Tensor]], num_grads: int = 0) -> "Named":
@@ -277,7 +281,7 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
                 return None
     if _converted_by_zero3(got[1], entry[2]):  # (the record stays: the next call finds the same as cheaply)
         return None
-    return Named(got[0], got[1], len(got[1]) - len(entry[1]))
+    return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
 
 
 # An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
