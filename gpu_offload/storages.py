@@ -162,7 +162,10 @@ class Layout:
 
     @cached_property
     def devices(self) -> list[torch.device]:
-        return sorted(map(index_device, set(self.storage_columns[2])), key=str)
+        indices = self.storage_columns[2]
+        if indices and indices.count(indices[0]) == len(indices):  # (one device, the usual case: no set made)
+            return [index_device(indices[0])]
+        return sorted(map(index_device, set(indices)), key=str)
 
     @cached_property
     def has_grads(self) -> bool:
