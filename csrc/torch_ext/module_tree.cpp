@@ -124,7 +124,6 @@ class SharedKeysTables {
     bool plain;  // each part has an entry, and no method does
   };
 
-  SharedKeysTables() { tables_.reserve(kMaxTables); }
 
   // The facts of a split dict's table where it is plain, else nullptr (the dict is looked up in).
   const Table* of(PyObject* dict) {
@@ -135,7 +134,8 @@ class SharedKeysTables {
       if (t.keys == keys && t.num_entries == keys->dk_nentries) return t.plain ? &t : nullptr;
     }
     if (tables_.size() >= kMaxTables) return nullptr;  // (a model of few classes has few tables: past that, look up)
-    tables_.push_back(read(keys));  // (reserved: the pointers given before stay valid)
+    if (tables_.empty()) tables_.reserve(kMaxTables);  // (once, at the first: the pointers given stay valid)
+    tables_.push_back(read(keys));
     return tables_.back().plain ? &tables_.back() : nullptr;
   }
 
@@ -673,7 +673,22 @@ bool same_items(PyObject* part, const Entry* entries, int32_t n) {
 
 // Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
 // held by a _modules dict found unchanged before it (pre-order), so following it is safe.
-bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries, SharedKeysTables& tables) {
+// A module's __dict__ that is another dict, or was written (e.g. `training`): whether it still binds the
+// recorded three dicts and shadows no method; if so it is recorded anew. (Out of the check's loop: rare.)
+[[gnu::noinline]] bool same_parts(ModuleFacts& m, PyObject* dict, SharedKeysTables& tables) {
+  // (A dict whose lookups could run code is not looked up in: the traversal is recorded again, and the
+  // builder refuses it. Code run here could change or free what this check has already passed.)
+  PyObject* parts[3];
+  if (!PyDict_CheckExact(dict) || !str_keyed(dict) || !parts_of(dict, tables, parts)) return false;
+  for (int p = 0; p < 3; ++p) {
+    if (parts[p] != m.parts[p]) return false;
+  }
+  m.dict = dict;  // the same three dicts are bound: the change was elsewhere (e.g. `training`)
+  m.dict_version = version_of(dict);
+  return true;
+}
+
+inline bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries, SharedKeysTables& tables) {
   PyTypeObject* type = Py_TYPE(m.module);
   if (type != m.type || type->tp_version_tag != m.type_tag) return false;
   PyObject** dict_ptr = _PyObject_GetDictPtr(m.module);
@@ -682,17 +697,7 @@ bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries, SharedK
     return false;
   }
   PyObject* dict = *dict_ptr;
-  if (dict != m.dict || version_of(dict) != m.dict_version) {
-    // (A dict whose lookups could run code is not looked up in: the traversal is recorded again, and the
-    // builder refuses it. Code run here could change or free what this check has already passed.)
-    PyObject* parts[3];
-    if (!PyDict_CheckExact(dict) || !str_keyed(dict) || !parts_of(dict, tables, parts)) return false;
-    for (int p = 0; p < 3; ++p) {
-      if (parts[p] != m.parts[p]) return false;
-    }
-    m.dict = dict;  // the same three dicts are bound: the change was elsewhere (e.g. `training`)
-    m.dict_version = version_of(dict);
-  }
+  if ((dict != m.dict || version_of(dict) != m.dict_version) && !same_parts(m, dict, tables)) return false;
   // (A dict found unchanged is alive: the unchanged __dict__ above holds it.)
   for (int p = 0; p < 3; ++p) {
     const uint64_t version = version_of(m.parts[p]);
