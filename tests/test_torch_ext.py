@@ -186,3 +186,12 @@ def test_wrapper_slots_reads_the_slots_of_wrappers_alone():
     assert ext.wrapper_slots(["l"], [loose], "_spec") is None  # (the caller's Python reads it)
     with pytest.raises(ValueError):
         ext.wrapper_slots(["a"], [plain, plain], "_spec")
+
+
+@needs_ext
+def test_the_shared_keys_layout_probe_passes_where_the_traversal_record_runs():
+    # module_tree.cpp reads split instance dicts' shared keys tables and values arrays as CPython 3.11 and 3.12
+    # lay them out; a probe at import (two instances of a class made for it) checks that reading, and where it
+    # fails every walk looks its dicts up instead. Where the record runs at all, the probe must pass: a
+    # failure here means a CPython whose layout the reads do not know.
+    assert torch_ext.ext.SHARED_KEYS == bool(torch_ext.ext.MODULE_TREE)

@@ -127,7 +127,7 @@ class SharedKeysTables {
 
   // The facts of a split dict's table where it is plain, else nullptr (the dict is looked up in).
   const Table* of(PyObject* dict) {
-    if (reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
+    if (!layout_checked() || reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
     const DictKeys* keys = keys_of(dict);
     if (keys->dk_kind != kDictKeysSplit) return nullptr;
     for (const Table& t : tables_) {
@@ -150,6 +150,16 @@ class SharedKeysTables {
     PyObject* found = slot(dict, t, p);
     return found != nullptr && PyDict_CheckExact(found) ? found : nullptr;
   }
+
+  // Whether this CPython lays split dicts out as DictKeys and the values array read here assume: checked
+  // once, at the helper's import (shared_keys_layout_ok), on instances of a class made for it; false keeps
+  // every walk on plain lookups.
+  static bool& layout_checked() {
+    static bool ok = false;
+    return ok;
+  }
+
+  static bool probe_layout();
 
  private:
   static constexpr size_t kMaxTables = 64;
@@ -638,9 +648,50 @@ class Builder {
   std::vector<py::object> module_paths_, modules_;
 };
 
+bool SharedKeysTables::probe_layout() {
+  try {
+    // Two instances of a class made here, each given the three parts in order: their __dict__s (split,
+    // made when first asked for) share one keys table whose entries are the three names, and each finds its
+    // own values at those slots.
+    py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&PyType_Type));
+    py::object base = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&PyBaseObject_Type));
+    py::object cls = type("_gpu_offload_layout_probe", py::make_tuple(base), py::dict());
+    py::object a = cls(), b = cls();
+    py::object values[2][3];
+    for (int k = 0; k < 2; ++k) {
+      for (int p = 0; p < 3; ++p) {
+        values[k][p] = py::dict();
+        py::setattr(k == 0 ? a : b, interned().parts[p], values[k][p]);
+      }
+    }
+    py::object dicts[2] = {a.attr("__dict__"), b.attr("__dict__")};
+    for (const py::object& d : dicts) {
+      if (!PyDict_CheckExact(d.ptr()) || reinterpret_cast<PyDictObject*>(d.ptr())->ma_values == nullptr) return false;
+    }
+    const DictKeys* keys = keys_of(dicts[0].ptr());
+    if (keys != keys_of(dicts[1].ptr()) || keys->dk_kind != kDictKeysSplit || keys->dk_nentries != 3) return false;
+    const Table t = read(keys);
+    if (!t.plain || t.at[0] != 0 || t.at[1] != 1 || t.at[2] != 2) return false;
+    for (int k = 0; k < 2; ++k) {
+      for (int p = 0; p < 3; ++p) {
+        if (part(dicts[k].ptr(), t, p) != values[k][p].ptr()) return false;
+      }
+    }
+    return true;
+  } catch (const py::error_already_set&) {
+    PyErr_Clear();
+    return false;
+  }
+}
+
 }  // namespace
 
 bool module_tree_supported() { return true; }
+
+bool shared_keys_layout_ok() {
+  static const bool ok = SharedKeysTables::layout_checked() = SharedKeysTables::probe_layout();
+  return ok;
+}
 
 py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused, bool with_modules) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("module_type must be torch.nn.Module");
@@ -847,6 +898,7 @@ void bind_module_tree(py::module_& m) {
 
 class ModuleTree {};
 bool module_tree_supported() { return false; }
+bool shared_keys_layout_ok() { return false; }
 py::object build_module_tree(py::handle, py::handle, py::tuple, bool) { return py::none(); }
 bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {

@@ -312,6 +312,8 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
   m.attr("MODULE_TREE") = module_tree_supported();
+  // (Probed here, at import: the probe makes Python objects, which a walk must not.)
+  m.attr("SHARED_KEYS") = shared_keys_layout_ok();
   bind_module_tree(m);
   m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
         py::arg("refused") = py::tuple(), py::arg("with_modules") = false,

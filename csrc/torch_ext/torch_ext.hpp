@@ -338,6 +338,8 @@ py::bytes object_ids(py::handle list);
 // A plain nn.Module tree's traversal (module_tree.cpp).
 class ModuleTree;
 bool module_tree_supported();
+// Whether module_tree.cpp's shared keys tables read this CPython's split dicts as laid out (probed once).
+bool shared_keys_layout_ok();
 // (tree, names, tensors, num_params) | None; None too where a module is an instance of a `refused` class.
 // with_modules: (tree, names, tensors, num_params, paths, modules), the last two named_modules()' items.
 py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused, bool with_modules);
