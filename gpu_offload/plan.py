@@ -324,7 +324,7 @@ class TargetPlan:
             self.live, self._groups = like.live, like._groups
         else:
             self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
-            if devices and devices.count(devices[0]) == len(devices):  # (one device; no set of 65536 ints made)
+            if len(bound.layout.devices) == 1:  # (the layout's own, counted once and kept)
                 groups = {devices[0]: self.live} if self.live else {}
             else:
                 groups = {}

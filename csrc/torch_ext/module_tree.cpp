@@ -124,7 +124,6 @@ class SharedKeysTables {
     bool plain;  // each part has an entry, and no method does
   };
 
-
   // The facts of a split dict's table where it is plain, else nullptr (the dict is looked up in).
   const Table* of(PyObject* dict) {
     if (!layout_checked() || reinterpret_cast<PyDictObject*>(dict)->ma_values == nullptr) return nullptr;
@@ -149,6 +148,11 @@ class SharedKeysTables {
   static PyObject* part(PyObject* dict, const Table& t, int p) {
     PyObject* found = slot(dict, t, p);
     return found != nullptr && PyDict_CheckExact(found) ? found : nullptr;
+  }
+
+  // part() where the dict's table is plain (`t`, from of()), else part_of()'s lookup.
+  static PyObject* part_or_lookup(PyObject* dict, const Table* t, int p) {
+    return t != nullptr ? part(dict, *t, p) : part_of(dict, interned().parts[p]);
   }
 
   // Whether this CPython lays split dicts out as DictKeys and the values array read here assume: checked
@@ -201,16 +205,11 @@ class SharedKeysTables {
 // (then no method is shadowed), else looked up. false: a part is missing or not an exact dict, or (looked up)
 // a method is shadowed.
 bool parts_of(PyObject* dict, SharedKeysTables& tables, PyObject* parts[3]) {
-  if (const SharedKeysTables::Table* t = tables.of(dict)) {
-    for (int p = 0; p < 3; ++p) {
-      if ((parts[p] = SharedKeysTables::part(dict, *t, p)) == nullptr) return false;
-    }
-    return true;
-  }
+  const SharedKeysTables::Table* t = tables.of(dict);
   for (int p = 0; p < 3; ++p) {
-    if ((parts[p] = part_of(dict, interned().parts[p])) == nullptr) return false;
+    if ((parts[p] = SharedKeysTables::part_or_lookup(dict, t, p)) == nullptr) return false;
   }
-  return !shadows_methods(dict);
+  return t != nullptr || !shadows_methods(dict);
 }
 
 }  // namespace
@@ -420,15 +419,15 @@ class Builder {
       if (PyObject* dict = keyed_dict(kid(kPartTables))) {
         const SharedKeysTables::Table* shared = tables_.of(dict);
         for (int p = 0; p < 3; ++p) {
-          PyObject* part = shared != nullptr ? SharedKeysTables::part(dict, *shared, p) : part_of(dict, interned().parts[p]);
-          if (part != nullptr) prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+          if (PyObject* part = SharedKeysTables::part_or_lookup(dict, shared, p)) {
+            prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
+          }
         }
       }
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
       if (PyObject* dict = keyed_dict(kid(kValues))) {
-        const SharedKeysTables::Table* shared = tables_.of(dict);
-        if (PyObject* part = shared != nullptr ? SharedKeysTables::part(dict, *shared, 0) : part_of(dict, interned().parts[0])) {
+        if (PyObject* part = SharedKeysTables::part_or_lookup(dict, tables_.of(dict), 0)) {
           Py_ssize_t pos = 0;
           PyObject *name, *value;
           for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);
@@ -722,8 +721,6 @@ bool same_items(PyObject* part, const Entry* entries, int32_t n) {
   return true;
 }
 
-// Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
-// held by a _modules dict found unchanged before it (pre-order), so following it is safe.
 // A module's __dict__ that is another dict, or was written (e.g. `training`): whether it still binds the
 // recorded three dicts and shadows no method; if so it is recorded anew. (Out of the check's loop: rare.)
 [[gnu::noinline]] bool same_parts(ModuleFacts& m, PyObject* dict, SharedKeysTables& tables) {
@@ -739,6 +736,8 @@ bool same_items(PyObject* part, const Entry* entries, int32_t n) {
   return true;
 }
 
+// Whether one recorded module is unchanged (see the top of this file). Its pointer is the caller's root, or
+// held by a _modules dict found unchanged before it (pre-order), so following it is safe.
 inline bool module_unchanged(ModuleFacts& m, const std::vector<Entry>& entries, SharedKeysTables& tables) {
   PyTypeObject* type = Py_TYPE(m.module);
   if (type != m.type || type->tp_version_tag != m.type_tag) return false;
