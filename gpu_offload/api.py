@@ -715,8 +715,10 @@ def _reload_bound(named: Any, verify: bool,
 
 def discard(target: Any) -> None:
     """Drops the offloaded state of a target without bringing it back: its host bytes return to the arena
-    and its storages stay empty (allocate new tensors, or load a snapshot into a rebuilt model).
-    Afterwards `is_offloaded(target)` is False and `reload(target)` raises.
+    and its storages stay empty (allocate new tensors, or load a snapshot into a rebuilt model). With the
+    torch-aware helper those storages refuse access with an error that says so (a read of an empty storage
+    under full-shape tensors would otherwise crash the process). Afterwards `is_offloaded(target)` is False
+    and `reload(target)` raises.
 
     Raises:
         OffloadError: nothing in the target is offloaded.
@@ -729,9 +731,9 @@ def discard(target: Any) -> None:
             raise OffloadError("cannot discard: nothing in the target is offloaded")
         storages = [st for k, st in zip(bound.keys, bound.storages) if k in _registry.entries]
         groups = _registry.drop_keys(keys)  # one step of C code: all leave the registry, or none
-        # Plain empty storages from now on, as resize_(0) leaves them: the caller gives them memory again.
-        # (After the entries: an interrupt between the two leaves them refusing access, never empty and open.)
-        _registry.allow(storages)
+        # Empty for good: they refuse access, saying so, until the caller gives the tensors new memory.
+        # (After the entries: an interrupt between the two leaves them refusing access as offloaded.)
+        _registry.refuse_discarded(storages)
         nbytes = 0
         for owner, positions in groups:
             if owner.region is not None:  # (a dropped gradient has no host copy)

@@ -482,6 +482,19 @@ def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[lis
         torch_ext.refuse_access(storages, messages if messages is not None else refusals(names))
 
 
+DISCARDED = ("gpu_offload: this tensor's storage was emptied by gpu_offload.discard() (its memory is released and "
+             "its values are gone); give the tensor new memory (p.data = torch.empty_like(p)) or load a snapshot "
+             "into a rebuilt model")
+
+
+def refuse_discarded(storages: list[Any]) -> None:
+    """Makes discarded storages refuse access with DISCARDED: an empty storage under full-shape tensors would
+    otherwise be read through a null pointer (torch's own resize_(0) leaves it so: a SIGSEGV at the next
+    read). One C++ call; nothing without the helper."""
+    if storages and torch_ext.access_guard_available():
+        torch_ext.refuse_access(storages, DISCARDED)
+
+
 def allow(storages: list[Any]) -> None:
     """Lifts refuse() (storages or their keys, which the caller keeps alive); one C++ call."""
     if storages and torch_ext.access_guard_available():

@@ -1712,3 +1712,21 @@ def test_data_ptrs_in_one_pass_are_what_data_ptr_says_and_zero_for_offloaded_sto
         pass
     assert torch_ext.ext.data_ptrs_or_zero([torch.ones(2).as_subclass(Sub)]) is None  # (the Python loop's)
     assert torch_ext.ext.data_ptrs_or_zero([3]) is None
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="this torch has no copy-on-write storages")
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_restore_never_writes_into_memory_shared_copy_on_write(arena, cached):
+    # torch._lazy_clone shares a storage's memory until either side writes: same StorageImpl, address and
+    # size, so the cached check sees no change. The address must be the tensor's own before a byte lands.
+    a = torch.zeros(1000)
+    target = {"a": a}
+    snap = go.snapshot(target, arena=arena)
+    if cached:
+        go.restore(target, snap)
+    with torch.no_grad():
+        a.fill_(1.0)
+    b = torch._lazy_clone(a)
+    go.restore(target, snap)
+    snap.free()
+    assert bool((a == 0).all()) and bool((b == 1).all())

@@ -207,11 +207,14 @@ def test_reload_lifts_the_refusal_in_one_call_and_a_failed_reload_keeps_it(arena
     assert not any(torch_ext.access_refused(t) for t in state.values())
     for k, v in want.items():
         assert torch.equal(state[k], v)
-    # discard leaves plain empty storages (as resize_(0) does), which the caller gives memory again
+    # discard leaves empty storages that refuse access, saying so; new memory for a tensor is the way back
     go.offload(state, arena=arena)
     go.discard(state)
-    assert not any(torch_ext.access_refused(t) for t in state.values())
-    state["w"].untyped_storage().resize_(64 * 4)
+    assert all(torch_ext.access_refused(t) for t in state.values())
+    with pytest.raises(RuntimeError, match=r"emptied by gpu_offload\.discard\(\)"):
+        state["w"].sum()
+    state["w"].data = torch.zeros_like(state["w"])
+    assert float(state["w"].sum()) == 0.0
     assert arena.used_bytes == 0
 
 
@@ -494,3 +497,30 @@ def test_refusal_with_a_message_for_each_storage():
     with pytest.raises(ValueError, match="1 messages for 2 storages"):
         torch_ext.refuse_access([a, b], ["one"])
     assert float(a.sum() + b.sum()) == 2.0  # nothing was refused by the call that failed
+
+
+@needs_guard
+def test_a_discarded_module_raises_when_touched_instead_of_crashing(arena):
+    # Plain torch reads an empty storage under a full-shape tensor through a null pointer (SIGSEGV); run in
+    # a child so that a crash fails this test instead of ending the run.
+    child = textwrap.dedent("""
+        import torch, gpu_offload as go
+        m = torch.nn.Linear(512, 512)
+        go.offload(m)
+        go.discard(m)
+        # (A forward may meet torch's own bounds check first: any clean RuntimeError is right there.)
+        for touch, says in ((lambda: m.weight.detach().sum(), "gpu_offload.discard()"),
+                            (lambda: print(m.bias), "gpu_offload.discard()"), (lambda: m(torch.ones(1, 512)), "")):
+            try:
+                touch()
+            except RuntimeError as e:
+                assert says in str(e), e
+            else:
+                raise SystemExit("read a discarded tensor without an error")
+        m.weight.data = torch.ones(512, 512)
+        m.bias.data = torch.zeros(512)
+        assert float(m(torch.ones(1, 512)).sum()) == 512.0 * 512
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stdout, done.stderr)

@@ -18,6 +18,7 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/COW.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Storage.h>
@@ -47,7 +48,10 @@ namespace {
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
 
 void* data_of(c10::StorageImpl* s) {
-  // The address only: no access check (a storage may refuse access) and no copy-on-write materialization.
+  // The address only: no access check (a storage may refuse access). A storage that shares its memory
+  // copy-on-write (torch._lazy_clone) first gets its own copy, as torch's mutable data_ptr() gives it: that
+  // address is another tensor's too, and a restore or reload writing there would land in both.
+  if (C10_UNLIKELY(c10::impl::cow::is_cow_data_ptr(s->_mutable_data_ptr_no_checks()))) c10::impl::cow::materialize_cow(s);
   return s->_mutable_data_ptr_no_checks().get();
 }
 
