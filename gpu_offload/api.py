@@ -733,7 +733,7 @@ def discard(target: Any) -> None:
         groups = _registry.drop_keys(keys)  # one step of C code: all leave the registry, or none
         # Empty for good: they refuse access, saying so, until the caller gives the tensors new memory.
         # (After the entries: an interrupt between the two leaves them refusing access as offloaded.)
-        _registry.refuse_discarded(storages)
+        _registry.refuse(storages, (), _registry.DISCARDED)
         nbytes = 0
         for owner, positions in groups:
             if owner.region is not None:  # (a dropped gradient has no host copy)

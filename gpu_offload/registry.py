@@ -475,24 +475,19 @@ def refusals(names: Sequence[str]) -> list[str]:
     return list(map(_refusal, names))
 
 
-def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[list[str]] = None) -> None:
+def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[str | list[str]] = None) -> None:
     """Makes offloaded storages (or their keys, which the caller keeps alive) refuse any access to their
-    data, each naming its tensor (one C++ call; nothing without the helper)."""
+    data, each naming its tensor, or with `messages` (one for all, or one per storage); one C++ call,
+    nothing without the helper."""
     if storages and torch_ext.access_guard_available():
         torch_ext.refuse_access(storages, messages if messages is not None else refusals(names))
 
 
+# What discarded storages refuse access with: an empty storage under full-shape tensors would otherwise be
+# read through a null pointer (torch's own resize_(0) leaves it so: a SIGSEGV at the next read).
 DISCARDED = ("gpu_offload: this tensor's storage was emptied by gpu_offload.discard() (its memory is released and "
              "its values are gone); give the tensor new memory (p.data = torch.empty_like(p)) or load a snapshot "
              "into a rebuilt model")
-
-
-def refuse_discarded(storages: list[Any]) -> None:
-    """Makes discarded storages refuse access with DISCARDED: an empty storage under full-shape tensors would
-    otherwise be read through a null pointer (torch's own resize_(0) leaves it so: a SIGSEGV at the next
-    read). One C++ call; nothing without the helper."""
-    if storages and torch_ext.access_guard_available():
-        torch_ext.refuse_access(storages, DISCARDED)
 
 
 def allow(storages: list[Any]) -> None:
