@@ -261,8 +261,15 @@ class TargetRecord {
     size_t recorded_nbytes;  // as recorded (refresh() leaves it)
   };
   // memory: also each storage's memory, size, device and resizability (check()); else only what views it.
+  // A tensor's version counter as check() bumps it: the TensorImpl's member, and the object it points to.
+  struct Counter {
+    c10::VariableVersion* version;
+    const void* object;  // (read while the check had the TensorImpl's line: only asked for ahead, never read)
+  };
+  // counters: where not nullptr, each checked tensor's Counter (none for an inference tensor), in order.
   template <bool kHold>
-  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true) const;
+  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
+                  std::vector<Counter>* counters = nullptr) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
   // `held` when it is this record's unspent HeldStorages, all of whose storages it still holds (`from`: or
   // those from `from` on, a resize in parts going on), else nullptr.
