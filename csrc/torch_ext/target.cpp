@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,11 +48,32 @@ namespace {
 // Exact torch.Tensor / nn.Parameter (not a subclass whose storage may be something else, e.g. a DTensor).
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
 
+// Whether a storage's memory is still to be materialized before it may be written: torch 2.13 and later give a
+// StorageImpl a pluggable one-shot hook (has_materializer(), set by a copy-on-write clone among others), torch
+// 2.11 and 2.12 mark a copy-on-write storage by its DataPtr's deleter alone. (A template, so that only the
+// branch this torch has is compiled; C++17, which torch 2.11's extensions build with.)
+template <typename S, typename = void>
+struct HasMaterializer : std::false_type {};
+template <typename S>
+struct HasMaterializer<S, std::void_t<decltype(std::declval<S&>().has_materializer())>> : std::true_type {};
+
+template <typename S>
+bool must_materialize(S* s) {
+  if constexpr (HasMaterializer<S>::value) {
+    return s->has_materializer();
+  } else {
+    return c10::impl::cow::is_cow_data_ptr(s->_mutable_data_ptr_no_checks());
+  }
+}
+
 void* data_of(c10::StorageImpl* s) {
   // The address only: no access check (a storage may refuse access). A storage that shares its memory
   // copy-on-write (torch._lazy_clone) first gets its own copy, as torch's mutable data_ptr() gives it: that
-  // address is another tensor's too, and a restore or reload writing there would land in both.
-  if (C10_UNLIKELY(c10::impl::cow::is_cow_data_ptr(s->_mutable_data_ptr_no_checks()))) c10::impl::cow::materialize_cow(s);
+  // address is another tensor's too, and a restore or reload writing there would land in both. set_data_ptr()
+  // is the one public call that materializes with no access check in every torch this builds against (the
+  // names of the copy-on-write functions differ: materialize_cow_storage, then materialize_cow): the
+  // materialized DataPtr is taken out and put straight back.
+  if (C10_UNLIKELY(must_materialize(s))) s->set_data_ptr(s->set_data_ptr(at::DataPtr()));
   return s->_mutable_data_ptr_no_checks().get();
 }
 
