@@ -7,10 +7,12 @@
 #include <pybind11/stl.h>
 
 #include <c10/core/StorageImpl.h>
+#include <torch/version.h>  // TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -74,16 +76,51 @@ std::vector<c10::StorageImpl*> storages_of(PyObject* items, bool keys_allowed) {
 
 namespace {
 
-// StorageImpl::clear_data_ptr_access_error_msg_ came after release_data_and_set_meta_..._msg_ (which,
-// despite its name, only sets the flag and the message): without it a refusal could not be lifted, so the
-// guard is compiled only where both exist.
+// Refusing access: StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_ (torch 2.6 and later; despite
+// its name it only sets the flag and the message). Lifting it: clear_data_ptr_access_error_msg_, public from torch
+// 2.12. Between the two (2.6-2.11, the torch of many RL stacks) there is no public call to lift a refusal, and
+// without one an offloaded tensor that is touched reads released memory (a SIGSEGV on the CPU): there the lift
+// does what 2.12's clear_data_ptr_access_error_msg_() does, verbatim: clears the private flag and the message,
+// then refreshes the private summary of the checks. The two private members are named through an explicit
+// instantiation, where the standard waives access checking ([temp.spec.general]/6); 2.6-2.11 have both, with
+// these types (checked against each release's StorageImpl.h: 2.6, 2.8, 2.9, 2.10, 2.11).
 template <typename S, typename = void>
-struct has_access_guard : std::false_type {};
+struct has_refusal : std::false_type {};
 template <typename S>
-struct has_access_guard<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_()),
-                                       decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
-                                           std::optional<std::string>()))>> : std::true_type {};
-constexpr bool kAccessGuard = has_access_guard<c10::StorageImpl>::value;
+struct has_refusal<S, std::void_t<decltype(std::declval<S&>().release_data_and_set_meta_custom_data_ptr_error_msg_(
+                          std::optional<std::string>()))>> : std::true_type {};
+template <typename S, typename = void>
+struct has_lift : std::false_type {};
+template <typename S>
+struct has_lift<S, std::void_t<decltype(std::declval<S&>().clear_data_ptr_access_error_msg_())>> : std::true_type {};
+
+#if defined(TORCH_VERSION_MAJOR) && TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6 && TORCH_VERSION_MINOR < 12
+#define GPU_OFFLOAD_PRIVATE_LIFT 1
+// Each Tag's get() answers the member pointer the instantiation below was given.
+template <typename Tag, typename Tag::type kMember>
+struct PrivateMember {
+  friend typename Tag::type get(Tag) { return kMember; }
+};
+struct ThrowOnAccessFlag {
+  using type = bool c10::StorageImpl::*;
+  friend type get(ThrowOnAccessFlag);
+};
+struct RefreshDataPtrCheck {
+  using type = void (c10::StorageImpl::*)();
+  friend type get(RefreshDataPtrCheck);
+};
+template struct PrivateMember<ThrowOnAccessFlag, &c10::StorageImpl::throw_on_immutable_data_ptr_>;
+template struct PrivateMember<RefreshDataPtrCheck, &c10::StorageImpl::refresh_has_data_ptr_check>;
+#else
+#define GPU_OFFLOAD_PRIVATE_LIFT 0
+#endif
+
+// Whether this torch can refuse access and lift the refusal again: the guard is compiled only where both work.
+template <typename S>
+constexpr bool access_guard_of() {
+  return has_refusal<S>::value && (has_lift<S>::value || GPU_OFFLOAD_PRIVATE_LIFT);
+}
+constexpr bool kAccessGuard = access_guard_of<c10::StorageImpl>();
 
 // StorageImpl::get_extra_meta() (public where the access guard is): the message's own slot, which a
 // refusal can move a string into, and a lifting move it out of, instead of a copy and a free per storage
@@ -98,17 +135,26 @@ struct has_extra_meta<S, std::void_t<decltype(std::declval<S&>().get_extra_meta(
 // a plain function the discarded branch would still have to compile).
 template <typename S>
 void refuse_one(S* storage, const std::string& message) {
-  if constexpr (has_access_guard<S>::value) storage->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+  if constexpr (access_guard_of<S>()) storage->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
 }
 
 template <typename S>
 void allow_one(S* storage) {
-  if constexpr (has_access_guard<S>::value) storage->clear_data_ptr_access_error_msg_();
+  if constexpr (has_lift<S>::value) {
+    storage->clear_data_ptr_access_error_msg_();
+  } else if constexpr (access_guard_of<S>()) {
+#if GPU_OFFLOAD_PRIVATE_LIFT
+    // (clear_data_ptr_access_error_msg_() of torch 2.12, on 2.6-2.11's members.)
+    storage->*get(ThrowOnAccessFlag{}) = false;
+    storage->get_extra_meta().custom_data_ptr_error_msg_ = std::nullopt;
+    (storage->*get(RefreshDataPtrCheck{}))();
+#endif
+  }
 }
 
 template <typename S>
 void refuse_one_moving(S* storage, std::string& message) {
-  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
+  if constexpr (access_guard_of<S>() && has_extra_meta<S>::value) {
     storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::nullopt);  // the flag, no message yet
     auto& slot = storage->get_extra_meta().custom_data_ptr_error_msg_;
     slot.emplace();
@@ -120,7 +166,7 @@ void refuse_one_moving(S* storage, std::string& message) {
 
 template <typename S>
 void allow_one_moving(S* storage, std::string& message) {
-  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
+  if constexpr (access_guard_of<S>() && has_extra_meta<S>::value) {
     auto& slot = storage->get_extra_meta().custom_data_ptr_error_msg_;
     if (slot && message.empty()) message.swap(*slot);
   }
@@ -129,7 +175,7 @@ void allow_one_moving(S* storage, std::string& message) {
 
 template <typename S>
 void prefetch_refusal_of(S* storage) {
-  if constexpr (has_access_guard<S>::value && has_extra_meta<S>::value) {
+  if constexpr (access_guard_of<S>() && has_extra_meta<S>::value) {
     __builtin_prefetch(&storage->get_extra_meta(), 1);
   }
 }
@@ -147,8 +193,8 @@ namespace {
 void require_access_guard() {
   if (!kAccessGuard) {
     throw std::runtime_error(
-        "this torch's StorageImpl has no clear_data_ptr_access_error_msg_(): storage access cannot be refused "
-        "and lifted again");
+        "this torch's StorageImpl cannot refuse data-pointer access and lift the refusal again (torch 2.6 and "
+        "later can)");
   }
 }
 
