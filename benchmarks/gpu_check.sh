@@ -109,9 +109,15 @@ machine() {
 
 build() {
   set -o pipefail
+  local rc=0
   $PY setup.py -q build_ext --inplace 2>&1 | tail -15 || return 1
   $PY -c "import gpu_offload as go, json; print(json.dumps(go.build_info())); assert go.cuda_available() or not $HAVE_GPU" || return 1
-  ctest --test-dir "$GPU_OFFLOAD_BUILD_DIR" --output-on-failure 2>&1 | tail -4
+  # The torch-aware helper is built in auto mode (a failure there leaves gpu_offload working on its pure-Python
+  # checks), but every host-cost figure after this stage assumes it: a helper that did not build against this
+  # torch fails the stage, and the rest runs on.
+  $PY -c "from gpu_offload import torch_ext as t; s = t.status(); print('torch_ext:', s); assert s.startswith('loaded'), s" || rc=1
+  ctest --test-dir "$GPU_OFFLOAD_BUILD_DIR" --output-on-failure 2>&1 | tail -4 || rc=1
+  return $rc
 }
 
 cuda_tests() {  # $1: junit file name, rest: what to run
