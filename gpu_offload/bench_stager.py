@@ -71,7 +71,6 @@ def measure_stager(b: bench.Bench) -> list[bench.Row]:
             # checkpoint, which is what its users get.
             why = f"its second stage() raised {type(exc).__name__} in torch {torch.__version__}"
             logger.warning("%s: %s; its steady state is timed with a new stager each call", name, why)
-            drop()
 
             def renew() -> None:
                 drop()

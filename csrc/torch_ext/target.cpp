@@ -498,7 +498,8 @@ bool TargetRecord::check(py::handle list, bool bump) const {
   // check, still that object's, with the counter it had then. A counter is an object of its own
   // (VariableVersion's one intrusive_ptr) whose address the check read: each is asked for ahead, where a
   // bump through the TensorImpl waited for the TensorImpl's line and then the counter's, one tensor at a
-  // time behind each locked increment (a restore of 65536 tensors: that pass about 1.2 -> 0.5 ms).
+  // time behind each locked increment (65536 tensors: the bump's share of check(bump=True) 0.68 -> 0.57 ms;
+  // in a cached restore under perf, 13.3% -> 8.8% of the samples; the locked increments are most of the rest).
   const size_t n = counters.size();
   constexpr size_t kCounterAhead = 16;
   for (size_t i = 0; i < n; ++i) {
