@@ -469,6 +469,43 @@ def test_a_recorded_traversal_vouches_for_distinct_names_only_where_they_are(are
     go.reload(ok)
 
 
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_parts_names_are_vouched_for_only_where_no_prefix_can_join_two(arena, checks, kind):
+    # A target of several recorded parts ([model, optimizer], a dict of them) joins each part's names under
+    # its key: distinct, without a check, where each part's are and no key holds a "." (a name's key is then
+    # what comes before its first "."). A key with a "." may make another part's name, which is refused.
+    one, other = torch.nn.Module(), torch.nn.Module()
+    one.register_parameter("w", torch.nn.Parameter(torch.ones(2)))
+    other.add_module("b", torch.nn.Module())
+    other.b.register_parameter("w", torch.nn.Parameter(torch.zeros(2)))
+    if kind == "dict":
+        with pytest.raises(go.OffloadError, match="duplicate tensor name"):
+            go.snapshot({"a.b": one, "a": other}, arena=arena)  # "a.b.w" twice
+        target: Any = {"a": one, "b": other}
+    else:
+        target = [one, other]
+    for _ in range(2):
+        _snapshot_matches(target, arena)
+    # An optimizer's names ("state.<index>.<key>") are distinct by how they are made, its keys odd or not; the
+    # record reads each state by sorted key, whether its keys are the state before's objects in its order
+    # (that order then serves again), in another order, equal strs that are other objects, or other keys.
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(7)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    opt.state[params[0]] = {"1.x": torch.ones(1), "x": torch.zeros(1)}
+    opt.state[params[1]] = {"1.x": torch.full((1,), 4.0), "x": torch.full((1,), 5.0)}
+    opt.state[params[2]] = {"x": torch.full((1,), 2.0), "1.x": torch.full((1,), 3.0), "step": 3}
+    opt.state[params[3]] = {"".join(["1", ".x"]): torch.ones(1), "".join("x"): torch.ones(1)}
+    opt.state[params[5]] = {"x": torch.full((1,), 2.0), "深": torch.full((1,), 3.0)}
+    opt.state[params[6]] = {}
+    named = named_tensors(opt)
+    _same_pairs(named, _walked(opt))
+    assert [n for n, _ in named] == ["state.0.1.x", "state.0.x", "state.1.1.x", "state.1.x", "state.2.1.x",
+                                     "state.2.x", "state.3.1.x", "state.3.x", "state.5.x", "state.5.深"]
+    both = {"m": one, "o": opt} if kind == "dict" else [one, opt]
+    for _ in range(2):
+        _snapshot_matches(both, arena)
+
+
 def test_a_module_with_grads_reads_them_in_every_call(arena):
     m = _model()
     _warm(m, arena)

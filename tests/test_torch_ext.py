@@ -162,6 +162,25 @@ def test_same_object_sets_compares_identities_as_sets():
     assert ext.same_object_sets([a, b], [a, b], 99) and ext.same_object_sets([], [], 0)
 
 
+@needs_ext
+def test_prefixed_names_joins_as_an_f_string_does():
+    ext = torch_ext.ext
+    names = ["w", "state.0.exp_avg", "深.b", "", "x" * 300, "é"]
+    for prefix in ["0", "opt", "", "深", "a.b"]:
+        for start, stop in [(0, len(names)), (1, 4), (3, 3), (0, 0)]:
+            assert ext.prefixed_names(prefix, names, start, stop) == [f"{prefix}.{n}" for n in names[start:stop]]
+    class Sub(str):
+        pass
+    assert ext.prefixed_names(Sub("p"), names, 0, 1) is None  # (the caller's f-string then)
+    assert ext.prefixed_names("p", ["a", Sub("b")], 0, 2) is None
+    assert ext.prefixed_names("p", ["a", 1], 0, 1) == ["p.a"]  # (only the range is read)
+    for start, stop in [(-1, 1), (2, 1), (0, 7)]:
+        with pytest.raises(ValueError):
+            ext.prefixed_names("p", names, start, stop)
+    with pytest.raises(TypeError):
+        ext.prefixed_names("p", tuple(names), 0, 1)
+
+
 class _Wrapper(torch.Tensor):
     __slots__ = ["_spec"]
 

@@ -5,6 +5,9 @@
 // sorted as bytes (a radix quicksort: they share long prefixes) and the text written once into a str of its
 // size: 5-6 ms for 65536 names and 9 MB of text (18-20 ms with std::sort and a growing buffer decoded at the
 // end), the same text (tested against json.dumps).
+//
+// Also the names of a target's parts joined under their prefixes (adapters._recorded_parts: "1.state.7.exp_avg"
+// for [model, optimizer]), one allocation a name where a Python f-string took about 130 ns.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
@@ -152,6 +155,42 @@ py::object json_object_of_texts(py::handle mapping, py::handle text_of) {
     throw std::logic_error("json_object_of_texts: the text's size was miscounted");
   }
   return text;
+}
+
+py::object prefixed_names(py::handle prefix, py::handle names, Py_ssize_t start, Py_ssize_t stop) {
+  if (!PyUnicode_CheckExact(prefix.ptr())) return py::none();
+  if (!PyList_CheckExact(names.ptr())) throw py::type_error("prefixed_names: names must be a list");
+  if (start < 0 || start > stop || stop > PyList_GET_SIZE(names.ptr())) {
+    throw py::value_error("prefixed_names: need 0 <= start <= stop <= len(names)");
+  }
+  PyObject* head = prefix.ptr();
+  const Py_ssize_t a = PyUnicode_GET_LENGTH(head);
+  const Py_UCS4 head_max = PyUnicode_MAX_CHAR_VALUE(head);
+  py::list out(static_cast<size_t>(stop - start));  // (made before the names are read: it may run the collector)
+  PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  const Items items = items_of(names);
+  constexpr Py_ssize_t kAhead = 8;  // (each name's object, scattered)
+  for (Py_ssize_t i = start; i < stop; ++i) {
+    if (i + kAhead < stop) __builtin_prefetch(items.data[i + kAhead]);
+    PyObject* name = items.data[i];
+    if (!PyUnicode_CheckExact(name)) return py::none();
+    const Py_ssize_t b = PyUnicode_GET_LENGTH(name);
+    const Py_UCS4 widest = std::max(head_max, PyUnicode_MAX_CHAR_VALUE(name));
+    PyObject* full = PyUnicode_New(a + 1 + b, widest);
+    if (full == nullptr) throw py::error_already_set();
+    if (widest < 128) {  // ASCII, the usual case: plain bytes
+      char* at = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(full));
+      std::memcpy(at, PyUnicode_1BYTE_DATA(head), static_cast<size_t>(a));
+      at[a] = '.';
+      std::memcpy(at + a + 1, PyUnicode_1BYTE_DATA(name), static_cast<size_t>(b));
+    } else if (PyUnicode_CopyCharacters(full, 0, head, 0, a) < 0 || PyUnicode_WriteChar(full, a, '.') < 0 ||
+               PyUnicode_CopyCharacters(full, a + 1, name, 0, b) < 0) {
+      Py_DECREF(full);
+      throw py::error_already_set();
+    }
+    slots[i - start] = full;
+  }
+  return std::move(out);
 }
 
 }  // namespace gpu_offload::torch_ext

@@ -17,10 +17,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <string>
-#include <unordered_map>
+#include <charconv>
 #include <vector>
 
 #include "torch_ext.hpp"
@@ -62,24 +61,58 @@ PyObject* item_of(PyObject* dict, PyObject* key) {  // borrowed, or nullptr (no 
   return value;
 }
 
-// "state.<index>.<key>": for an ASCII key in one allocation straight from the bytes (a name per state
-// tensor: the most of a first call's own work), else through PyUnicode_FromFormat.
-PyObject* state_name(int64_t index, PyObject* key) {
+// "state.<index>.<key>" from the parameter's prefix "state.<index>." (`prefix`, `a` bytes): for an ASCII key
+// in one allocation straight from the bytes (a name per state tensor: the most of a first call's own work),
+// else through PyUnicode_FromFormat.
+PyObject* state_name(const char* prefix, size_t a, int64_t index, PyObject* key) {
   if (!PyUnicode_IS_ASCII(key)) {
     PyObject* name = PyUnicode_FromFormat("state.%lld.%U", static_cast<long long>(index), key);
     if (name == nullptr) throw py::error_already_set();
     return name;
   }
-  char prefix[32];
-  const int a = std::snprintf(prefix, sizeof(prefix), "state.%lld.", static_cast<long long>(index));
   const Py_ssize_t b = PyUnicode_GET_LENGTH(key);
-  PyObject* name = PyUnicode_New(a + b, 127);
+  PyObject* name = PyUnicode_New(static_cast<Py_ssize_t>(a) + b, 127);
   if (name == nullptr) throw py::error_already_set();
   char* out = reinterpret_cast<char*>(PyUnicode_1BYTE_DATA(name));
-  std::memcpy(out, prefix, static_cast<size_t>(a));
+  std::memcpy(out, prefix, a);
   std::memcpy(out + a, PyUnicode_1BYTE_DATA(key), static_cast<size_t>(b));
   return name;
 }
+
+// Parameter -> its state dict, by the parameter's address (what state.get(p) finds: the key is the parameter
+// itself), without hashing each parameter through Tensor.__hash__ (Python code). Open addressing: a
+// node-based map spent an allocation per entry, and a lookup two misses.
+class StateIndex {
+ public:
+  explicit StateIndex(size_t expected) {
+    int bits = 4;
+    while ((size_t{1} << bits) < 2 * expected) ++bits;
+    slots_.assign(size_t{1} << bits, {nullptr, nullptr});
+    mask_ = slots_.size() - 1;
+    shift_ = 64 - bits;
+  }
+  void insert(PyObject* key, PyObject* value) {  // (a dict's keys are distinct objects)
+    size_t i = slot_of(key);
+    while (slots_[i].first != nullptr) i = (i + 1) & mask_;
+    slots_[i] = {key, value};
+  }
+  PyObject* find(PyObject* key) const {  // borrowed, or nullptr
+    for (size_t i = slot_of(key); slots_[i].first != nullptr; i = (i + 1) & mask_) {
+      if (slots_[i].first == key) return slots_[i].second;
+    }
+    return nullptr;
+  }
+  // Asks for the slot `key` is looked up at first (the table is larger than the caches: a random access each).
+  void prefetch(PyObject* key) const { __builtin_prefetch(&slots_[slot_of(key)]); }
+
+ private:
+  size_t slot_of(PyObject* key) const {  // Fibonacci hashing: the product's top bits
+    return static_cast<size_t>((reinterpret_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  std::vector<std::pair<PyObject*, PyObject*>> slots_;
+  size_t mask_;
+  int shift_;
+};
 
 }  // namespace
 
@@ -199,17 +232,13 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   t.state_version = version_of(t.state);
   py::list names_out, tensors_out;
   std::vector<py::object> held;  // the groups, params lists and state dicts, while the lookups run
-  // The state's entries by key identity: what state.get(p) finds (a key is the parameter itself), without
-  // hashing each parameter through Tensor.__hash__, Python code.
-  std::unordered_map<PyObject*, PyObject*> state_of;
-  state_of.reserve(static_cast<size_t>(PyDict_GET_SIZE(t.state)));
+  StateIndex state_of(static_cast<size_t>(PyDict_GET_SIZE(t.state)));
   {
     Py_ssize_t pos = 0;
     PyObject *key, *value;
-    while (PyDict_Next(t.state, &pos, &key, &value)) state_of.emplace(key, value);
+    while (PyDict_Next(t.state, &pos, &key, &value)) state_of.insert(key, value);
   }
   const Py_ssize_t num_groups = PyList_GET_SIZE(t.groups);
-  int64_t index = 0;
   t.params_at.push_back(0);
   for (Py_ssize_t g = 0; g < num_groups; ++g) {
     PyObject* group = PyList_GET_ITEM(t.groups, g);
@@ -221,41 +250,89 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
     t.group_dicts.push_back(group);
     t.group_versions.push_back(version_of(group));
     t.params_lists.push_back(params);
-    const Py_ssize_t num_params = PyList_GET_SIZE(params);
-    for (Py_ssize_t k = 0; k < num_params; ++k, ++index) {
-      PyObject* p = PyList_GET_ITEM(params, k);
-      t.params.push_back(p);
-      const auto found = state_of.find(p);
-      PyObject* st = found != state_of.end() ? found->second : nullptr;
-      if (st == nullptr) {
-        t.param_states.push_back(nullptr);
-        t.param_state_versions.push_back(0);
-        continue;
-      }
-      if (!PyDict_CheckExact(st) || !str_keyed(st)) return py::none();
-      held.push_back(py::reinterpret_borrow<py::object>(st));
-      t.param_states.push_back(st);
-      t.param_state_versions.push_back(version_of(st));
-      // sorted(state): str keys only (Python's sorted would refuse a mix), each tensor value under its key.
-      std::vector<PyObject*> keys;
-      Py_ssize_t pos = 0;
-      PyObject *key, *value;
-      while (PyDict_Next(st, &pos, &key, &value)) {
-        if (!PyUnicode_CheckExact(key)) return py::none();
-        keys.push_back(key);
-      }
-      std::sort(keys.begin(), keys.end(), [](PyObject* a, PyObject* b) { return PyUnicode_Compare(a, b) < 0; });
-      for (PyObject* k2 : keys) {
-        PyObject* v = item_of(st, k2);
-        if (v == nullptr || !is_tensor(v)) continue;
-        PyObject* name = state_name(index, k2);
-        names_out.append(py::reinterpret_steal<py::object>(name));
-        tensors_out.append(py::handle(v));
-        t.tensors.push_back(v);
-      }
-    }
+    PyObject** listed = reinterpret_cast<PyListObject*>(params)->ob_item;
+    t.params.insert(t.params.end(), listed, listed + PyList_GET_SIZE(params));
     t.params_at.push_back(t.params.size());
   }
+  // Each parameter's state dict (a parameter's address alone: nothing of it is read).
+  const size_t num_params = t.params.size();
+  t.param_states.resize(num_params);
+  t.param_state_versions.assign(num_params, 0);
+  constexpr size_t kSlotAhead = 16;
+  for (size_t i = 0; i < num_params; ++i) {
+    if (i + kSlotAhead < num_params) state_of.prefetch(t.params[i + kSlotAhead]);
+    t.param_states[i] = state_of.find(t.params[i]);
+  }
+  held.reserve(held.size() + num_params);
+  t.tensors.reserve(3 * num_params);
+  // Each state's tensors by sorted key. Memory-bound (a state dict, its table, its tensors, scattered): each
+  // is asked for a few parameters ahead of its read, the dict furthest. A state's keys are mostly the
+  // same str objects as the state before's, in the same order (an optimizer makes them alike): that
+  // state's sorted order then serves again.
+  constexpr size_t kDictAhead = 12, kTableAhead = 6, kValuesAhead = 3;
+  auto exact_dict = [&](size_t i) -> PyObject* {
+    PyObject* st = i < num_params ? t.param_states[i] : nullptr;
+    return st != nullptr && PyDict_CheckExact(st) ? st : nullptr;
+  };
+  std::vector<std::pair<PyObject*, PyObject*>> items;  // one state's (key, value)s, in its order
+  std::vector<PyObject*> last_keys;  // the keys the order below was sorted from
+  std::vector<size_t> order;
+  char prefix[48] = "state.";
+  for (size_t i = 0; i < num_params; ++i) {
+    if (i + kDictAhead < num_params && t.param_states[i + kDictAhead] != nullptr) {
+      __builtin_prefetch(t.param_states[i + kDictAhead]);
+    }
+    if (PyObject* ahead = exact_dict(i + kTableAhead)) {
+      const char* table = reinterpret_cast<const char*>(keys_of(ahead));
+      __builtin_prefetch(table);
+      __builtin_prefetch(table + 64);
+    }
+    if (PyObject* ahead = exact_dict(i + kValuesAhead); ahead != nullptr && str_keyed(ahead)) {
+      Py_ssize_t pos = 0;
+      PyObject *key, *value;
+      while (PyDict_Next(ahead, &pos, &key, &value)) __builtin_prefetch(value);
+    }
+    PyObject* st = t.param_states[i];
+    if (st == nullptr) continue;
+    if (!PyDict_CheckExact(st) || !str_keyed(st)) return py::none();
+    held.push_back(py::reinterpret_borrow<py::object>(st));
+    t.param_state_versions[i] = version_of(st);
+    // sorted(state): str keys only (Python's sorted would refuse a mix), each tensor value under its key.
+    items.clear();
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(st, &pos, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) return py::none();
+      items.emplace_back(key, value);
+    }
+    const bool same_keys = items.size() == last_keys.size() &&
+                           std::equal(items.begin(), items.end(), last_keys.begin(),
+                                      [](const auto& item, PyObject* k) { return item.first == k; });
+    if (!same_keys) {
+      last_keys.clear();
+      for (const auto& item : items) last_keys.push_back(item.first);
+      order.resize(items.size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      std::sort(order.begin(), order.end(),
+                [&](size_t x, size_t y) { return PyUnicode_Compare(items[x].first, items[y].first) < 0; });
+    }
+    char* end = std::to_chars(prefix + 6, prefix + sizeof(prefix) - 1, static_cast<int64_t>(i)).ptr;
+    *end = '.';
+    const size_t a = static_cast<size_t>(end - prefix) + 1;
+    for (size_t k : order) {
+      PyObject* v = items[k].second;
+      if (!is_tensor(v)) continue;
+      PyObject* name = state_name(prefix, a, static_cast<int64_t>(i), items[k].first);
+      if (PyList_Append(names_out.ptr(), name) < 0) {
+        Py_DECREF(name);
+        throw py::error_already_set();
+      }
+      Py_DECREF(name);
+      if (PyList_Append(tensors_out.ptr(), v) < 0) throw py::error_already_set();
+      t.tensors.push_back(v);
+    }
+  }
+  shrink_if_slack(t.tensors);
   // Nothing a finalizer ran (see above) may have changed what was read.
   if (version_of(t.dict) != t.dict_version || version_of(t.state) != t.state_version) return py::none();
   for (size_t g = 0; g < t.group_dicts.size(); ++g) {

@@ -370,6 +370,9 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("json_object_of_texts", &json_object_of_texts, py::arg("mapping"), py::arg("text_of"),
         "json.dumps(mapping, sort_keys=True) where each value's JSON is text_of(value), asked once per distinct "
         "value; None unless every key is a str written as is (printable ASCII, no quote or backslash).");
+  m.def("prefixed_names", &prefixed_names, py::arg("prefix"), py::arg("names"), py::arg("start"), py::arg("stop"),
+        "[f\"{prefix}.{n}\" for n in names[start:stop]] (a list), one allocation a name; None where the prefix or a "
+        "name is not an exact str.");
   m.attr("OPTIMIZER_TREE") = optimizer_tree_supported();
   bind_optimizer_tree(m);
   m.def("build_optimizer_tree", &build_optimizer_tree, py::arg("optimizer"),

@@ -364,6 +364,8 @@ void bind_optimizer_tree(py::module_& m);
 // value (by identity); None unless every key is a str json.dumps writes as is (printable ASCII, no quote or
 // backslash).
 py::object json_object_of_texts(py::handle mapping, py::handle text_of);
+// [f"{prefix}.{n}" for n in names[start:stop]] (a list); None where the prefix or a name is not an exact str.
+py::object prefixed_names(py::handle prefix, py::handle names, Py_ssize_t start, Py_ssize_t stop);
 
 // (fsdp2_params.cpp) Per-parameter reads of FSDP2's FSDPParams, staged so that their cache misses overlap.
 // [getattr(o, name) for o in objs] where each is a plain instance attribute (see PlainAttr there); else None.
