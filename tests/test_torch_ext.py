@@ -152,6 +152,39 @@ def test_instance_attrs_reads_plain_instance_attributes_and_declines_the_rest():
 
 
 @needs_ext
+def test_instance_attrs_reads_a_remembered_entry_only_where_it_holds_that_attribute():
+    # Objects of 40 attributes keep them in dicts of their own, each at the entry it was set at: the entry
+    # found in one object is read directly in the next where it holds that very name, and nothing else is.
+    ext = torch_ext.ext
+    assert ext.COMBINED_KEYS == bool(ext.MODULE_TREE)  # (the layout probe passes where the records run)
+
+    def made(order: list[int], **extra: object) -> _Attrs:
+        obj = _Attrs(0)
+        for i in order:
+            setattr(obj, f"a{i}", i)
+        for k, v in extra.items():
+            setattr(obj, k, v)
+        return obj
+
+    same = list(range(40))
+    moved = made(list(reversed(same)))  # a5 at another entry
+    deleted = made(same)
+    del deleted.a5  # its entry now empty
+    readded = made(same)
+    del readded.a5
+    readded.a5 = "again"  # at the end
+    replaced = made(same)
+    replaced.a5 = "new value"  # the same entry, another value
+    other_key = made(same)
+    other_key.__dict__[5] = "an int key"  # a table that is no longer str-keyed
+    small = made([5, 1])  # (inline values)
+    objs = [made(same), moved, made(same), readded, made(same), replaced, other_key, made(same), small, made(same)]
+    assert ext.instance_attrs(objs, "a5") == [5, 5, 5, "again", 5, "new value", 5, 5, 5, 5]
+    assert ext.instance_attrs([made(same), deleted], "a5") is None  # (absent: the entry left empty)
+    assert ext.instance_attrs([made(same), made(same, a5=1)], "a5") == [5, 1]  # (set again: its entry, the value now)
+
+
+@needs_ext
 def test_same_object_sets_compares_identities_as_sets():
     ext = torch_ext.ext
     a, b, c = torch.ones(1), torch.ones(1), torch.ones(1)  # (equal values, distinct objects)

@@ -360,6 +360,7 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.attr("MODULE_TREE") = module_tree_supported();
   // (Probed here, at import: the probe makes Python objects, which a walk must not.)
   m.attr("SHARED_KEYS") = shared_keys_layout_ok();
+  m.attr("COMBINED_KEYS") = combined_keys_layout_ok();
   bind_module_tree(m);
   m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
         py::arg("refused") = py::tuple(), py::arg("with_modules") = false,

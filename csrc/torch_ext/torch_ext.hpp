@@ -58,6 +58,7 @@ struct DictUnicodeEntry {
   PyObject* me_key;
   PyObject* me_value;  // (a combined table's; a split table keeps its values in the dict's ma_values)
 };
+constexpr uint8_t kDictKeysUnicode = 1;
 constexpr uint8_t kDictKeysSplit = 2;
 
 inline const DictKeys* keys_of(PyObject* dict) {
@@ -368,6 +369,9 @@ py::object json_object_of_texts(py::handle mapping, py::handle text_of);
 py::object prefixed_names(py::handle prefix, py::handle names, Py_ssize_t start, Py_ssize_t stop);
 
 // (fsdp2_params.cpp) Per-parameter reads of FSDP2's FSDPParams, staged so that their cache misses overlap.
+// Whether a combined str-keyed dict's entries are laid out as its reads of remembered entries assume (probed
+// once, at import: the probe makes Python objects, which a pass must not).
+bool combined_keys_layout_ok();
 // [getattr(o, name) for o in objs] where each is a plain instance attribute (see PlainAttr there); else None.
 py::object instance_attrs(py::handle objs, const char* name);
 // set(map(id, a)) == set(map(id, b[:count_b])), without touching the objects.
