@@ -1594,6 +1594,51 @@ def test_an_optimizer_dict_whose_lookups_run_code_is_not_looked_up_in(checks, wh
     _agrees([m, opt])
 
 
+def test_an_optimizer_state_holding_tensors_in_lists_names_each_and_is_walked_every_call(arena, checks):
+    # LBFGS keeps its history as lists of tensors under a state key: each is named by its path below the key,
+    # and such a state is never recorded (a list grows without the state dict changing), so an append
+    # between two calls is seen by the second.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8))
+    target = torch.randn(8)
+    opt = torch.optim.LBFGS([p], history_size=3, max_iter=4)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((p - target) ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    state = opt.state[p]
+    state["nested"] = {"b": (torch.ones(1),), "a": [[torch.zeros(2)]]}
+    names = [n for n, _ in _agrees(opt)]
+    assert {"state.0.d", "state.0.old_dirs.0", "state.0.nested.a.0.0", "state.0.nested.b.0"} <= set(names)
+    assert names.index("state.0.nested.a.0.0") < names.index("state.0.nested.b.0")
+    if checks == "helper" and torch_ext.ext.OPTIMIZER_TREE:
+        assert torch_ext.ext.build_optimizer_tree(opt) is None
+    snap = go.snapshot(opt, arena=arena).wait()
+    history = [t.clone() for t in state["old_dirs"]]
+    for t in state["old_dirs"]:
+        t.add_(1.0)
+    go.restore(opt, snap)
+    assert all(torch.equal(a, b) for a, b in zip(history, state["old_dirs"]))
+    state["old_dirs"].append(torch.full((8,), 7.0))  # (the list grew; the state dict did not change)
+    assert "state.0.old_dirs.%d" % (len(state["old_dirs"]) - 1) in [n for n, _ in _agrees(opt)]
+    with pytest.raises(go.LayoutMismatchError, match="not in snapshot: state.0.old_dirs"):
+        go.restore(opt, snap)
+    snap.free()
+    before = {n: t.clone() for n, t in named_tensors(opt)}
+    go.offload(opt, arena=arena)
+    assert all(t.untyped_storage().nbytes() == 0 for t in state["old_dirs"])
+    go.reload(opt)
+    assert all(torch.equal(before[n], t) for n, t in named_tensors(opt))
+    state["cycle"] = []
+    state["cycle"].append(state["cycle"])
+    with pytest.raises(go.OffloadError, match="more than 16 deep"):
+        named_tensors(opt)
+
+
 class _PropertyGroups(torch.optim.SGD):
     @property
     def param_groups(self):  # (what accelerate's AcceleratedOptimizer does: another object's groups)

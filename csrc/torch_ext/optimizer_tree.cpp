@@ -1,6 +1,7 @@
 // A torch.optim.Optimizer's state traversal (adapters.torch_optimizer_tensors: for each parameter of each
 // group, in order, the tensors of its state by sorted key, named "state.<parameter index>.<key>"), recorded
-// so that the next call can tell in one pass that it is still the same, without walking it in Python.
+// so that the next call can tell in one pass that it is still the same, without walking it in Python. A state
+// holding a list, tuple or dict (which may hold tensors, and change without the state's tag) is not recorded.
 //
 // The traversal reads the optimizer's param_groups and state (instance attributes: a class that defines
 // either, or its own attribute lookup, is not recorded), the param_groups list, each group's "params"
@@ -321,6 +322,9 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
     const size_t a = static_cast<size_t>(end - prefix) + 1;
     for (size_t k : order) {
       PyObject* v = items[k].second;
+      // (Tensors in a list, tuple or dict, LBFGS's history, are named by the Python walk; such a container
+      // changes without its state dict's version tag, so a state holding one is never recorded.)
+      if (PyList_Check(v) || PyTuple_Check(v) || PyDict_Check(v)) return py::none();
       if (!is_tensor(v)) continue;
       PyObject* name = state_name(prefix, a, static_cast<int64_t>(i), items[k].first);
       if (PyList_Append(names_out.ptr(), name) < 0) {

@@ -586,6 +586,8 @@ def optimizer_tensors(optimizer: Any, *, include_grads: bool = False) -> NamedTe
 
 
 def torch_optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "") -> NamedTensors:
+    """A torch optimizer's state tensors, "state.<param index>.<key>", keys sorted; a tensor held in a list,
+    tuple or dict under a key (LBFGS's history: "state.0.old_dirs.3") is named by its path below it."""
     out: NamedTensors = []
     index = 0
     for group in optimizer.param_groups:
@@ -593,11 +595,30 @@ def torch_optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str = "") 
             state = optimizer.state.get(p)
             if state:
                 for key in sorted(state):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor):
-                        out.append((f"{prefix}state.{index}.{key}", value))
+                    _state_value_tensors(state[key], f"{prefix}state.{index}.{key}", out, 0)
             index += 1
     return out
+
+
+def _state_value_tensors(value: Any, name: str, out: NamedTensors, depth: int) -> None:
+    """The tensors of one optimizer state value: itself, or those in the lists, tuples and dicts it holds."""
+    if isinstance(value, torch.Tensor):
+        out.append((name, value))
+        return
+    if not isinstance(value, (list, tuple, Mapping)):
+        return  # (a number, a string: no device data)
+    if depth >= 16:
+        raise OffloadError(f"optimizer state {name} nests lists, tuples or dicts more than 16 deep (a cycle?)")
+    if isinstance(value, Mapping):
+        try:
+            keys = sorted(value)
+        except TypeError:  # (keys that do not compare: their order)
+            keys = list(value)
+        items: Iterable[tuple[Any, Any]] = ((k, value[k]) for k in keys)
+    else:
+        items = enumerate(value)
+    for key, item in items:
+        _state_value_tensors(item, f"{name}.{key}", out, depth + 1)
 
 
 def _torch_optimizer_named(optimizer: Any, *, include_grads: bool,
