@@ -72,9 +72,9 @@ def _offloaded_problem(plan: _plan.TargetPlan) -> Optional[str]:
     # Nothing to look up in the common case of nothing offloaded; a plan found clear stays clear until
     # the next offload (only an offload makes a storage offloaded).
     if _registry.entries and plan.clear_of != _registry.generation:
-        name = _registry.offloaded_name(plan.keys)
-        if name is not None:
-            return f"{name} is offloaded; call gpu_offload.reload() first"
+        at = _registry.first_offloaded(plan.keys)
+        if at is not None:
+            return f"{plan.layout.storage_columns[0][at]} is offloaded; call gpu_offload.reload() first"
         plan.clear_of = _registry.generation
     if plan.released:  # emptied by an offload that is no longer registered, yet not reloaded
         name = plan.layout.storage_columns[0][plan.live[0]] if plan.live else "the target"
@@ -917,7 +917,10 @@ def _undo_reload(records: list[tuple[int, torch.UntypedStorage, _Offloaded]],
 
 
 def is_offloaded(target: Any) -> bool:
-    """True when the target's storages are offloaded (all those that held memory)."""
+    """True when any of the target's storages is offloaded by this process, so that `reload(target)` has
+    something to bring back: a target offloaded whole, and one offloaded in part (`offload(model)`, then
+    `is_offloaded([model, opt])`; a parameter replaced while its module was offloaded, whose other tensors
+    still refuse access), so that `if is_offloaded(m): reload(m)` always leaves `m` usable."""
     named = named_tensors(target, include_grads=False, reshard=False)
     with _registry.lock:
         if not _registry.entries:
@@ -927,11 +930,7 @@ def is_offloaded(target: Any) -> bool:
         if offloaded is not None and offloaded.whole and _registry.registered(offloaded):
             return True
         bound = bind(named)
-        flags = [k in _registry.entries for k in bound.keys]
-    if not any(flags):
-        return False
-    # Partly offloaded (e.g. offload(model) then is_offloaded([model, opt])): only if the rest is empty.
-    return all(o or n == 0 for o, n in zip(flags, bound.layout.storage_columns[1]))
+        return any(k in _registry.entries for k in bound.keys)
 
 
 def offloaded_bytes() -> int:

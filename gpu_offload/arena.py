@@ -282,11 +282,12 @@ class Arena:
                  pin: str = "auto") -> None:
         max_bytes = _size(max_bytes, "max_bytes")
         min_slab_bytes = _size(min_slab_bytes, "min_slab_bytes")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_BYTES):
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or
+                                      not 0 < max_bytes <= MAX_BYTES):
             raise OffloadError(f"max_bytes must be an int from 1 to 2**63-1 or None, got {max_bytes!r}")
         if min_slab_bytes is None:
             min_slab_bytes = _DEFAULT_MIN_SLAB_BYTES
-        if not isinstance(min_slab_bytes, int) or not 0 < min_slab_bytes <= MAX_BYTES:
+        if not isinstance(min_slab_bytes, int) or isinstance(min_slab_bytes, bool) or not 0 < min_slab_bytes <= MAX_BYTES:
             raise OffloadError(f"min_slab_bytes must be an int from 1 to 2**63-1, got {min_slab_bytes!r}")
         if pin not in _PIN_MODES:
             raise OffloadError(f"pin must be one of {', '.join(_PIN_MODES)}, got {pin!r}")

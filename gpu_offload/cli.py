@@ -312,6 +312,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"warning: {line}")
     extra: list[Any] = []
     if args.gather_sweep:  # GPU only: the group measures nothing on the CPU
+        if device.type != "cuda":
+            console.print("warning: --gather-sweep measures the GPU's gather kernel: nothing to sweep on the CPU")
         extra.append(bench.gather_sweep(args.gather_sweep))
     if args.stager:  # checkpoint staging (gpu_offload/bench_stager.py), in the same table
         from .bench_stager import measure_stager

@@ -382,15 +382,16 @@ def offloaded_any(keys: Sequence[int]) -> bool:
     return bool(_sets) and not _in_no_set(keys) and not _key_index().keys().isdisjoint(keys)
 
 
-def offloaded_name(keys: Sequence[int]) -> Optional[str]:
-    """The name of the first of these storages that is offloaded, or None (call with the lock held)."""
+def first_offloaded(keys: Sequence[int]) -> Optional[int]:
+    """The position in `keys` of the first of these storages that is offloaded, or None (call with the lock
+    held). The caller names it as its own target does: an offload of another target named it otherwise
+    (`offload(b)`, then `offload([a, b])`: "1.weight", not "weight")."""
     if not _sets or _in_no_set(keys):  # (mostly none is)
         return None
     index = _key_index()
-    for key in keys:
-        found = index.get(key)
-        if found is not None:
-            return found[0].names[found[1]]
+    for i, key in enumerate(keys):
+        if key in index:
+            return i
     return None
 
 
@@ -660,6 +661,9 @@ class _OffloadedForward:
         _module_forward_guard(module, args)  # raises while offloaded; unhooks the module otherwise
         return module.forward(*args, **kwargs)
 
+    def __reduce__(self) -> Any:
+        raise _pickle_error(self.module)
+
 
 def _label(obj: Any) -> str:
     """A hooked module as the target names it: `Linear 'layers.0.proj' of Transformer` (found only for a
@@ -707,6 +711,18 @@ class _LoadStateDictGuard:
         module = self.module()
         if module is not None and _holds_offloaded(module):
             raise _offloaded_error(module, "load a state_dict into")
+
+    def __reduce__(self) -> Any:
+        raise _pickle_error(self.module)
+
+
+def _pickle_error(ref: "weakref.ref[torch.nn.Module]") -> OffloadError:
+    # Pickling (torch.save(module), copy.deepcopy) reaches an offloaded module's guards before its tensors,
+    # which would refuse too: say what and why, not that a weak reference cannot be pickled.
+    module = ref()
+    if module is None:
+        return OffloadError("cannot pickle an offloaded module's guard (its module is gone)")
+    return _offloaded_error(module, "pickle")
 
 
 def _optimizer_step_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -34,6 +34,10 @@ def test_arena_sizes_accept_the_units_the_environment_accepts():
         arena.reserve("8 GiBs")
     with pytest.raises(go.OffloadError, match=r"max_bytes must be an int from 1 to 2\*\*63-1 or None, got 0"):
         go.Arena(max_bytes="0")
+    with pytest.raises(go.OffloadError, match=r"max_bytes must be an int .* got True"):  # (a bool is no size)
+        go.Arena(max_bytes=True)
+    with pytest.raises(go.OffloadError, match=r"min_slab_bytes must be an int .* got True"):
+        go.Arena(min_slab_bytes=True)
 
 
 def test_stats_max_bytes_is_none_without_a_cap():

@@ -390,7 +390,7 @@ def _layout_bytes(name: str, scale: int, itemsize: int) -> tuple[int, int]:
 def test_bench_named_layout_scale_dtype_module_entry(workdir: Path) -> None:
     """`python -m gpu_offload`, a named layout scaled down, another dtype, no baselines, -v debug log."""
     proc = run_cli("-v", "bench", "--layout", "qwen1.5b", "--scale", "512", "--dtype", "float16", "--repeats", "1",
-                   "--no-baselines", "--json", "named.json", cwd=workdir, module=True)
+                   "--no-baselines", "--json", "named.json", "--gather-sweep", "0,1KiB", cwd=workdir, module=True)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     count, nbytes = _layout_bytes("qwen1.5b", 512, 2)
@@ -398,6 +398,7 @@ def test_bench_named_layout_scale_dtype_module_entry(workdir: Path) -> None:
     check_result(res, layout="qwen1.5b", num_tensors=count, nbytes=nbytes, scale=512, baselines=False)
     check_table(proc.stdout, res)
     assert "(scaled 1/512)" in proc.stdout
+    assert "--gather-sweep measures the GPU's gather kernel: nothing to sweep on the CPU" in proc.stdout
     # -v: the library's debug log reports each call's size.
     assert f"gpu_offload: snapshot: {count} tensors, {count} storages, {nbytes} bytes" in proc.stderr
 

@@ -366,8 +366,16 @@ def check_drop_ins(rank: int, world_size: int, stage: int, fused_adam: bool) -> 
     assert released(ours, ("optim_states",)) and not released(ours, ("lp_params",))
     offload_states(ours, include=["optim_states"])  # already offloaded: skipped, as DeepSpeed does
     reload_states(ours)
-    with pytest.raises(go.OffloadError, match="nothing"):
-        reload_states(ours)
+    before = state_of(ours)
+    reload_states(ours)  # nothing offloaded: left as it is, as DeepSpeed's own (a no-op there too)
+    theirs.reload_states()
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    offload_states(ours, device=OffloadDeviceEnum.none)  # as DeepSpeed's own: a warning, nothing moved
+    offload_states(ours, device="none")
+    assert not released(ours, ("lp_params",)) and not released(ours, ("optim_states",))
+    assert_same_state(state_of(ours), before, "after the calls that move nothing")
+    with pytest.raises(go.OffloadError, match="CPU only"):
+        offload_states(ours, device="nvme")
     with pytest.raises(go.OffloadError, match="unknown"):
         offload_states(ours, include=["weights"])
 

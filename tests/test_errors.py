@@ -115,6 +115,18 @@ def test_offload_twice_and_reload_not_offloaded(device, arena):
         go.reload(state)
 
 
+def test_an_offloaded_part_is_named_as_the_target_names_it(device, arena):
+    # Offloaded alone, then asked for inside a list or a dict: the message names it in that target.
+    a, b = _state(device), _state(device)
+    go.offload(b, arena=arena)
+    first = next(iter(b))  # (its first storage's name)
+    with pytest.raises(go.OffloadError, match=rf"^cannot offload: 1\.{first} is offloaded;"):
+        go.offload([a, b], arena=arena)
+    with pytest.raises(go.OffloadError, match=rf"^cannot snapshot: ref\.{first} is offloaded;"):
+        go.snapshot({"policy": a, "ref": b}, arena=arena)
+    go.reload(b)
+
+
 def test_restore_into_offloaded_target_is_refused(device, arena):
     state = _state(device)
     snap = go.snapshot(state, arena=arena)

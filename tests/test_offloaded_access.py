@@ -98,6 +98,7 @@ case("submodule state_dict", lambda: m[0].state_dict())
 case("optimizer state_dict", lambda: opt.state_dict())
 case("load_state_dict", lambda: m.load_state_dict(before))
 case("submodule load_state_dict", lambda: m[0].load_state_dict({k[2:]: v for k, v in before.items() if k.startswith("0.")}))
+case("pickle", lambda: torch.save(m, io.BytesIO()))
 """
 
 _PLAIN_DATA = """
@@ -131,6 +132,7 @@ _FRIENDLY = {
     "optimizer state_dict": r"^OffloadError: cannot take the state_dict of Adam .*reload\(\)",
     "load_state_dict": r"^OffloadError: cannot load a state_dict into Sequential .*reload\(\)",
     "submodule load_state_dict": r"^OffloadError: cannot load a state_dict into Linear '0' of Sequential .*reload\(\)",
+    "pickle": r"^OffloadError: cannot pickle Sequential \(id .*\): its state is offloaded; call gpu_offload\.reload\(\)",
 }
 
 

@@ -125,6 +125,35 @@ def test_several_versions_coexist(device, arena):
     assert arena.used_bytes == 0
 
 
+def test_a_target_offloaded_in_part_is_offloaded_and_reload_brings_that_part_back(device, arena):
+    # is_offloaded answers whether reload has something to bring back: `if is_offloaded(m): reload(m)` leaves m
+    # usable whether the target was offloaded whole, as a part of a list, or lost a tensor to a replacement.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4, device=device)).sum().backward()
+    opt.step()
+    expected = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    assert not go.is_offloaded(model) and not go.is_offloaded([model, opt])
+    go.offload(model, arena=arena)
+    assert go.is_offloaded(model) and go.is_offloaded([model, opt]) and not go.is_offloaded(opt)
+    go.reload([model, opt])
+    assert not go.is_offloaded([model, opt])
+    del opt  # (it holds the parameter replaced below, which would stay offloaded while it lives)
+    go.offload(model, arena=arena)
+    model[0].weight = torch.nn.Parameter(torch.ones(4, 4, device=device))  # replaced while offloaded
+    assert go.is_offloaded(model)
+    with pytest.raises(go.OffloadError, match="offloaded"):
+        model(torch.randn(2, 4, device=device))
+    if go.is_offloaded(model):
+        go.reload(model)
+    assert not go.is_offloaded(model)
+    model(torch.randn(2, 4, device=device))
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, torch.ones(4, 4, device=device) if name == "0.weight" else expected[name]), name
+    assert arena.used_bytes == 0
+
+
 def test_offload_reload_keeps_objects_and_training_continues(device, arena):
     torch.manual_seed(0)
     model = TiedLM().to(device)

@@ -91,14 +91,19 @@ def offload_states(engine: Any, include: Optional[Container[Any]] = None, device
 
     Same arguments as ``DeepSpeedEngine.offload_states``: ``include`` (OffloadStateTypeEnum values; None:
     all), ``device`` (only the CPU), ``pin_memory`` and ``non_blocking`` (accepted; the arena is always
-    pinned and the copies are always ordered on the current stream). ``arena``: where the copy goes.
+    pinned and the copies are always ordered on the current stream). ``arena``: where the copy goes. As
+    DeepSpeed's own, ``device=OffloadDeviceEnum.none`` ("none") moves nothing and logs a warning.
 
     Raises:
-        OffloadError: not a DeepSpeed engine, an unsupported layout, or arena / host memory exhausted (then
-            nothing has moved). States already offloaded are skipped, as DeepSpeed's own does.
+        OffloadError: not a DeepSpeed engine, a device other than the CPU (or none), an unsupported layout,
+            or arena / host memory exhausted (then nothing has moved). States already offloaded are skipped,
+            as DeepSpeed's own does.
     """
     if not _ds.is_deepspeed_engine(engine):
         raise OffloadError(f"offload_states needs a DeepSpeedEngine, got {type(engine).__qualname__}")
+    if str(getattr(device, "value", device)) == "none":
+        logger.warning("offload_states: no device specified for offloading states (device=none): nothing moved")
+        return
     if str(getattr(device, "value", device)) != "cpu":
         raise OffloadError(f"offload_states moves states to the CPU only, got device={device!r}")
     chosen = _selected(include)
@@ -130,10 +135,11 @@ def offload_states(engine: Any, include: Optional[Container[Any]] = None, device
 def reload_states(engine: Any, non_blocking: bool = False) -> None:
     """Brings back what ``offload_states`` moved: the same tensors, refilled in place; the ZeRO-3 reduction
     bucket re-allocated. ``non_blocking`` is accepted for DeepSpeed's signature (copies are stream-ordered).
+    As DeepSpeed's own, an engine with nothing offloaded is left as it is.
 
     Raises:
-        OffloadError: nothing of the engine is offloaded, or the device is out of memory (then the engine
-            stays offloaded with its data intact; free memory and call again).
+        OffloadError: not a DeepSpeed engine, or the device is out of memory (then the engine stays offloaded
+            with its data intact; free memory and call again).
     """
     if not _ds.is_deepspeed_engine(engine):
         raise OffloadError(f"reload_states needs a DeepSpeedEngine, got {type(engine).__qualname__}")
@@ -142,7 +148,8 @@ def reload_states(engine: Any, non_blocking: bool = False) -> None:
         if _offloaded_any(engine):
             api.reload(engine)
         elif not buckets:
-            raise OffloadError("reload_states: nothing of this engine is offloaded")
+            logger.debug("reload_states: nothing of this engine is offloaded")
+            return
         for storage, nbytes in buckets:
             storage.resize_(nbytes)
     except BaseException:
