@@ -18,9 +18,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <string>
-#include <charconv>
 #include <vector>
 
 #include "torch_ext.hpp"
