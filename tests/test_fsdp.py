@@ -775,6 +775,12 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
             got = ext.fsdp2_layouts(fps, given)
             layouts = [got[1][i] for i in range(len(fps))]
             assert len(set(layouts)) == len({id(v) for v in python["params"].values()})  # (one dict per layout)
+    # A module reached twice is named by its first path (as named_modules() names it), whichever comes first.
+    again = struct.pack("N", id(model.c))
+    for given in ((ids + again, names + ["elsewhere"]), (again + ids, ["elsewhere"] + names)):
+        info, _ = fsdp_adapter.fsdp2_shard_info_and_shards(fps, given)
+        assert info == fsdp_adapter._fsdp2_shard_info(fps, fsdp_adapter._paths_dict(given))
+        assert ("elsewhere.weight" in info["params"]) == given[1][0].startswith("elsewhere")
     # A module the paths do not know is named "?", as in Python.
     partial = {k: v for k, v in paths.items() if k != id(model.c)}
     assert fsdp_adapter.fsdp2_shard_info(groups, partial) == fsdp_adapter._fsdp2_shard_info(fps, partial)

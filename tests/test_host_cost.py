@@ -415,6 +415,42 @@ def test_one_instance_unlike_its_siblings_is_read_as_torch_reads_it(arena, check
         m[0][9].weight = torch.nn.Parameter(torch.randn(2, 2))  # and a change at it is seen
 
 
+@needs_ext
+def test_modules_with_dicts_of_their_own_are_read_at_a_remembered_entry_only_where_it_holds_that_part(arena, checks):
+    # FSDP2 gives each module it manages two attributes after its __dict__ was made, which then becomes a table
+    # of its own (not the class's shared one). The record's walk reads such a module's parts at the entries
+    # where the last such module held them, where the entry holds that very (interned) name: a table in
+    # another order, a part deleted and set again (its entry moved), an equal key that is another str object,
+    # are each looked up, and the traversal is torch's.
+    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
+        pytest.skip("the helper's records only")
+    expert, m = _experts_of_a_class_of_their_own(32)
+    for e in m[0]:
+        assert e.__dict__ is not None  # (made: nn.Module's register_parameter asks for it anyway)
+        e._is_managed, e._uses_orig = True, True  # as fully_shard's are
+    reordered, moved, other_key = m[0][5], m[0][11], m[0][20]
+    object.__setattr__(reordered, "__dict__", dict(reversed(list(reordered.__dict__.items()))))
+    parameters = moved.__dict__.pop("_parameters")
+    moved.__dict__["_parameters"] = parameters  # (its entry now last; the old one empty)
+    key = "".join(["_param", "eters"])
+    assert key == "_parameters" and key is not "_parameters"  # noqa: F632 (another str object, equal)
+    object.__setattr__(other_key, "__dict__", {(key if k == "_parameters" else k): v for k, v in other_key.__dict__.items()})
+    other_key.weight = torch.nn.Parameter(torch.randn(2, 2))  # (found through the equal key)
+    built = torch_ext.ext.build_module_tree(m, torch.nn.Module, ())
+    assert built is not None
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert [(n, id(t)) for n, t in zip(built[1], built[2])] == truth
+    for _ in range(2):
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)
+    for odd in (reordered, moved, other_key):  # a change at each is seen by the recorded check
+        odd.weight = torch.nn.Parameter(torch.randn(2, 2))
+        m.train(not m.training)  # (every __dict__ written: the parts looked up again)
+        truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+        assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+        _snapshot_matches(m, arena)
+
+
 def _crafted_duplicates(kind: str) -> torch.nn.Module:
     # Names a traversal makes twice, through writes into a module's dicts (register_* and add_module refuse each).
     m = torch.nn.Module()

@@ -184,6 +184,63 @@ def test_instance_attrs_reads_a_remembered_entry_only_where_it_holds_that_attrib
     assert ext.instance_attrs([made(same), made(same, a5=1)], "a5") == [5, 1]  # (set again: its entry, the value now)
 
 
+class _Small:  # (few attributes: kept as inline values, indexed as the class's shared keys)
+    def __init__(self, **attrs: object) -> None:
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+
+class _SmallToo(_Small):
+    pass
+
+
+@needs_ext
+def test_instance_attrs_reads_inline_values_at_a_remembered_index_only_where_the_class_keys_hold_that_name():
+    # Objects of few attributes keep them as inline values, indexed as their class's shared keys: the index
+    # found in one object is read directly in the next of its class where that class's keys hold that very
+    # name there; a deleted value, a dict made since, another class's order are each read as Python reads them.
+    ext = torch_ext.ext
+    assert ext.INLINE_VALUES == bool(ext.MODULE_TREE)  # (the layout probe passes where the records run)
+    plain = [_Small(a=0, b=i, c=2) for i in range(6)]
+    assert ext.instance_attrs(plain, "b") == list(range(6))
+    deleted = _Small(a=0, b=1, c=2)
+    del deleted.b  # (its value cleared in place: the index still names b)
+    assert ext.instance_attrs([plain[0], deleted], "b") is None
+    readded = _Small(a=0, b=1, c=2)
+    del readded.b
+    readded.b = "again"
+    with_dict = _Small(a=0, b="dict", c=2)
+    assert with_dict.__dict__["b"] == "dict"  # (a dict made: the values move into it)
+    with_dict.z = "more"
+    other_order = _SmallToo(c=2, z=9, b="other class")  # (another class: b at another index)
+    late = _Small(a=0, c=2)
+    late.b = "set last"  # (its own insertion order; the index is the class's)
+    objs = [plain[1], readded, plain[2], with_dict, plain[3], other_order, plain[4], late, plain[5]]
+    assert ext.instance_attrs(objs, "b") == [1, "again", 2, "dict", 3, "other class", 4, "set last", 5]
+    assert ext.instance_attrs(objs, "b") == [getattr(o, "b") for o in objs]
+    assert ext.instance_attrs([plain[0], _Small(a=0)], "b") is None  # (absent: not in its values)
+
+
+@needs_ext
+def test_module_kinds_is_the_python_scan():
+    ext = torch_ext.ext
+
+    class Picked(torch.nn.Linear):
+        pass
+
+    class PickedToo(Picked):
+        pass
+
+    mods = [torch.nn.Linear(1, 1), Picked(1, 1), torch.nn.ReLU(), torch.nn.Linear(1, 1), PickedToo(1, 1),
+            torch.nn.ReLU(), Picked(1, 1)]
+    kinds, at = ext.module_kinds(mods, Picked)
+    want = dict(zip(map(type, mods), mods))
+    assert kinds == list(want.values()) and all(a is b for a, b in zip(kinds, want.values()))
+    assert at == [i for i, m in enumerate(mods) if issubclass(type(m), Picked)] == [1, 4, 6]
+    assert ext.module_kinds([], Picked) == ([], [])
+    assert ext.module_kinds(mods, torch.nn.Conv2d)[1] == []
+
+
 @needs_ext
 def test_same_object_sets_compares_identities_as_sets():
     ext = torch_ext.ext

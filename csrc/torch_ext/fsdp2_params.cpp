@@ -112,6 +112,13 @@ inline void prefetch_values(PyObject* o, PyObject* const* names, int count) {
 #endif
 
 #if GPU_OFFLOAD_DICT_VERSION_TAGS
+// Whether this CPython keeps an instance's inline values indexed as its class's shared keys' entries, as
+// PlainAttr's reads of them assume: checked once, at the helper's import, on instances of a class made for it.
+bool& inline_values_checked() {
+  static bool ok = false;
+  return ok;
+}
+
 // Whether this CPython keeps a combined str-keyed dict's entries as DictUnicodeEntry (key, value) after its
 // index table, as PlainAttr's entry reads assume: checked once, at the helper's import, on a dict made for it.
 bool& combined_layout_checked() {
@@ -167,10 +174,30 @@ class PlainAttr {
     return dict != nullptr && Py_TYPE(dict) == &PyDict_Type ? dict : nullptr;
   }
 
-  // The value at the remembered entry of the object's dict, where that entry holds this very name (borrowed),
-  // else nullptr. Only for an object whose type reads it as a plain instance attribute: its dict decides then.
+  // The keys every instance of a managed-dict class shares while its attributes are inline values (no dict
+  // made for it), or nullptr.
+  static const DictKeys* cached_keys(PyTypeObject* type) {
+    if (!PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE)) return nullptr;
+    const DictKeys* keys = reinterpret_cast<const DictKeys*>(reinterpret_cast<PyHeapTypeObject*>(type)->ht_cached_keys);
+    return keys != nullptr && keys->dk_kind == kDictKeysSplit ? keys : nullptr;
+  }
+
+  // The value at the remembered entry of the object's dict, or of its inline values, where that entry holds
+  // this very name (borrowed), else nullptr. Only for an object whose type reads it as a plain instance
+  // attribute: its dict or values decide then. (Inline values are indexed as the class's shared keys are,
+  // as CPython's own read does: the entry of the name there, the value at that index, nullptr if deleted;
+  // every instance's values array has room for every entry those keys can hold.)
   PyObject* at_entry(PyObject* obj) const {
-    PyObject* dict = at_ >= 0 ? dict_of(obj) : nullptr;
+    const Attributes a = attributes_of(obj);
+    if (a.values != nullptr) {
+      if (values_at_ < 0 || !inline_values_checked()) return nullptr;
+      const DictKeys* keys = cached_keys(Py_TYPE(obj));
+      if (keys == nullptr || values_at_ >= keys->dk_nentries || unicode_entries(keys)[values_at_].me_key != name_.ptr()) {
+        return nullptr;
+      }
+      return static_cast<PyObject* const*>(a.values)[values_at_];
+    }
+    PyObject* dict = at_ >= 0 && a.dict != nullptr && Py_TYPE(a.dict) == &PyDict_Type ? a.dict : nullptr;
     if (dict == nullptr) return nullptr;
     const DictKeys* keys = keys_of(dict);
     if (keys->dk_kind != kDictKeysUnicode || at_ >= keys->dk_nentries) return nullptr;
@@ -180,6 +207,20 @@ class PlainAttr {
 
   // Where `value` sits in the object's dict, remembered for the next object (none where not found there).
   void learn(PyObject* obj, PyObject* value) {
+    const Attributes a = attributes_of(obj);
+    if (a.values != nullptr) {
+      values_at_ = -1;
+      const DictKeys* keys = inline_values_checked() ? cached_keys(Py_TYPE(obj)) : nullptr;
+      if (keys == nullptr) return;
+      const DictUnicodeEntry* entries = unicode_entries(keys);
+      for (Py_ssize_t i = 0; i < keys->dk_nentries; ++i) {
+        if (entries[i].me_key == name_.ptr() && static_cast<PyObject* const*>(a.values)[i] == value) {
+          values_at_ = i;
+          return;
+        }
+      }
+      return;
+    }
     at_ = -1;
     PyObject* dict = combined_layout_checked() ? dict_of(obj) : nullptr;
     if (dict == nullptr || keys_of(dict)->dk_kind != kDictKeysUnicode) return;
@@ -197,9 +238,17 @@ class PlainAttr {
   void learn(PyObject*, PyObject*) {}
 #endif
 
+ public:
+  // The value the next read of `obj` would find at a remembered entry (borrowed, no reference taken), else
+  // nullptr: what a stage ahead of the read asks for, without a hashed lookup.
+  PyObject* peek(PyObject* obj) const { return Py_TYPE(obj) == plain_type_ ? at_entry(obj) : nullptr; }
+
+ private:
+
   py::object name_;
   PyTypeObject* plain_type_ = nullptr;
   Py_ssize_t at_ = -1;  // the entry the last object's dict held it at (-1: none known)
+  Py_ssize_t values_at_ = -1;  // the index the last object's inline values held it at (-1: none known)
 };
 
 // A tuple of ints (a torch.Size) appended to `dims`; false where it is anything else.
@@ -238,6 +287,64 @@ struct Param {
 // The FSDPParam-level objects of one parameter, read by the first stage and kept (held) for the second.
 struct Fetched {
   py::object module_info, spec, orig, padded, shard, module, param_name;
+};
+
+// Module paths by module address: an open-addressed table (a sort of 65793 of them took 3-4 ms; this fills
+// in one pass). Keys are addresses, never 0; values borrowed.
+class PathsById {
+ public:
+  void reserve(size_t n) {
+    size_t capacity = 16;
+    int bits = 4;
+    while (capacity < 2 * n) capacity *= 2, ++bits;
+    slots_.assign(capacity, {0, nullptr});
+    mask_ = capacity - 1;
+    shift_ = 64 - bits;
+  }
+
+  // Adds id -> path unless id is there already (the first path stays).
+  void add_first(uintptr_t id, PyObject* path) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    for (size_t at = index(id);; at = (at + 1) & mask_) {
+      if (slots_[at].first == id) return;
+      if (slots_[at].first == 0) {
+        slots_[at] = {id, path};
+        ++size_;
+        return;
+      }
+    }
+  }
+
+  // The slot find(id) reads first, asked for ahead of it.
+  void prefetch(uintptr_t id) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[index(id)]);
+  }
+
+  PyObject* find(uintptr_t id) const {
+    if (slots_.empty() || id == 0) return nullptr;
+    for (size_t at = index(id);; at = (at + 1) & mask_) {
+      if (slots_[at].first == id) return slots_[at].second;
+      if (slots_[at].first == 0) return nullptr;
+    }
+  }
+
+ private:
+  // (Fibonacci hashing: the product's top bits.)
+  size_t index(uintptr_t id) const { return static_cast<size_t>((static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> shift_); }
+
+  void grow() {
+    std::vector<std::pair<uintptr_t, PyObject*>> old = std::move(slots_);
+    reserve(std::max<size_t>(8, old.size()));
+    size_ = 0;
+    for (const auto& [id, path] : old) {
+      if (id != 0) add_first(id, path);
+    }
+  }
+
+  std::vector<std::pair<uintptr_t, PyObject*>> slots_;
+  size_t mask_ = 0;
+  int shift_ = 60;
+  size_t size_ = 0;
 };
 
 // path + "." + name (new reference), in one allocation where both are ASCII.
@@ -296,6 +403,48 @@ bool combined_keys_layout_ok() {
 #endif
 }
 
+bool inline_values_layout_ok() {
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+  static const bool ok = [] {
+    try {
+      // Instances of a class made here, as a dataclass's or FSDP's objects are: their attributes set one by one
+      // (no __dict__ asked for), kept as inline values indexed as the class's shared keys' entries.
+      py::object cls = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&PyType_Type))(
+          "gpu_offload_inline_values_probe", py::tuple(), py::dict());
+      const DictKeys* keys = nullptr;
+      for (int round = 0; round < 2; ++round) {  // (the second instance: the keys already hold every name)
+        py::object obj = cls();
+        py::object names[6], values[6];
+        for (int i = 0; i < 6; ++i) {
+          names[i] = owned(PyUnicode_InternFromString(("gpu_offload_probe_" + std::to_string(i)).c_str()));
+          values[i] = py::int_(2000 + 10 * round + i);
+          if (PyObject_SetAttr(obj.ptr(), names[i].ptr(), values[i].ptr()) != 0) throw py::error_already_set();
+        }
+        PyTypeObject* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+        const Attributes a = attributes_of(obj.ptr());
+        if (!PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE) || a.values == nullptr || a.dict != nullptr) return false;
+        keys = reinterpret_cast<const DictKeys*>(reinterpret_cast<PyHeapTypeObject*>(type)->ht_cached_keys);
+        if (keys == nullptr || keys->dk_kind != kDictKeysSplit || keys->dk_nentries != 6) return false;
+        const DictUnicodeEntry* entries = unicode_entries(keys);
+        for (int i = 0; i < 6; ++i) {
+          if (entries[i].me_key != names[i].ptr() || static_cast<PyObject* const*>(a.values)[i] != values[i].ptr()) {
+            return false;
+          }
+        }
+      }
+      return true;
+    } catch (const py::error_already_set&) {
+      PyErr_Clear();
+      return false;
+    }
+  }();
+  inline_values_checked() = ok;
+  return ok;
+#else
+  return false;
+#endif
+}
+
 py::object instance_attrs(py::handle objs, const char* name) {
   const Items items = items_of(objs);
   PlainAttr attr(name);
@@ -313,12 +462,58 @@ py::object instance_attrs(py::handle objs, const char* name) {
 bool same_object_sets(py::handle a, py::handle b, Py_ssize_t count_b) {
   const Items x = items_of(a), y = items_of(b);
   if (count_b < 0 || count_b > y.size) count_b = y.size;
+  // (The same objects in the same order, as an FSDP2 model's groups list its parameters in the traversal's
+  // order: equal sets without sorting either.)
+  if (x.size == count_b && std::equal(x.data, x.data + x.size, y.data)) return true;
   std::vector<PyObject*> u(x.data, x.data + x.size), v(y.data, y.data + count_b);
   for (auto* s : {&u, &v}) {
     std::sort(s->begin(), s->end());
     s->erase(std::unique(s->begin(), s->end()), s->end());
   }
   return u == v;
+}
+
+py::tuple module_kinds(py::handle modules, py::handle cls) {
+  const Items items = items_of(modules);
+  // (type, its last module), in the order each type is first met: few types, the last one met tried first.
+  std::vector<std::pair<PyTypeObject*, PyObject*>> kinds;
+  std::vector<size_t> kind_of(static_cast<size_t>(items.size));
+  size_t last = 0;
+  for (Py_ssize_t i = 0; i < items.size; ++i) {
+    if (i + 16 < items.size) __builtin_prefetch(items.data[i + 16]);  // (its header: where its type is)
+    PyTypeObject* type = Py_TYPE(items.data[i]);
+    if (kinds.empty() || kinds[last].first != type) {
+      last = 0;
+      while (last < kinds.size() && kinds[last].first != type) ++last;
+      if (last == kinds.size()) kinds.emplace_back(type, nullptr);
+    }
+    kinds[last].second = items.data[i];
+    kind_of[static_cast<size_t>(i)] = last;
+  }
+  // Which types are subclasses of cls: asked once each, after the pass (issubclass may run Python; the
+  // modules list is the caller's, and nothing read above is used but the types, held below).
+  std::vector<py::object> held;
+  held.reserve(kinds.size());
+  for (const auto& k : kinds) held.push_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(k.first)));
+  py::list last_of_kind = new_list(kinds.size(), [&](size_t k) {
+    Py_INCREF(kinds[k].second);
+    return kinds[k].second;
+  });
+  std::vector<char> picked_kind(kinds.size());
+  bool any = false;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    const int sub = PyObject_IsSubclass(held[k].ptr(), cls.ptr());
+    if (sub < 0) throw py::error_already_set();
+    picked_kind[k] = static_cast<char>(sub);
+    any = any || sub == 1;
+  }
+  py::list picked;
+  if (any) {
+    for (size_t i = 0; i < kind_of.size(); ++i) {
+      if (picked_kind[kind_of[i]]) picked.append(py::int_(i));
+    }
+  }
+  return py::make_tuple(last_of_kind, picked);
 }
 
 py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
@@ -328,9 +523,10 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
   return py::none();  // (a CPython whose instance layout these reads were not measured on: the Python path)
 #else
   const Items fps = items_of(fsdp_params);
-  // The paths by module address, sorted (a lookup per parameter, no int made for it): from a dict of id() ->
-  // path, or from (the modules' ids as native words, their paths), as a recorded traversal keeps them.
-  std::vector<std::pair<uintptr_t, PyObject*>> paths;  // (borrowed: the caller holds them)
+  // The paths by module address (a lookup per parameter, no int made for it): from a dict of id() -> path, or
+  // from (the modules' ids as native words, their paths), as a recorded traversal keeps them. A module
+  // reached twice is named by its first path, as named_modules() and a dict of them name it.
+  PathsById paths;  // (borrowed: the caller holds them)
   PyObject* given = module_paths.ptr();
   if (PyDict_CheckExact(given)) {
     paths.reserve(static_cast<size_t>(PyDict_GET_SIZE(given)));
@@ -343,25 +539,20 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
         PyErr_Clear();
         return py::none();
       }
-      paths.emplace_back(id, value);
+      paths.add_first(id, value);
     }
-    std::sort(paths.begin(), paths.end());
   } else if (PyTuple_CheckExact(given) && PyTuple_GET_SIZE(given) == 2 && PyBytes_CheckExact(PyTuple_GET_ITEM(given, 0)) &&
              PyList_CheckExact(PyTuple_GET_ITEM(given, 1))) {
     PyObject* ids = PyTuple_GET_ITEM(given, 0);
     const Items names = items_of(PyTuple_GET_ITEM(given, 1));
     if (PyBytes_GET_SIZE(ids) != names.size * static_cast<Py_ssize_t>(sizeof(uintptr_t))) return py::none();
-    paths.resize(static_cast<size_t>(names.size));
+    paths.reserve(static_cast<size_t>(names.size));
     for (Py_ssize_t k = 0; k < names.size; ++k) {
       uintptr_t id;
       std::memcpy(&id, PyBytes_AS_STRING(ids) + k * static_cast<Py_ssize_t>(sizeof(uintptr_t)), sizeof(id));
       if (!PyUnicode_CheckExact(names.data[k])) return py::none();
-      paths[static_cast<size_t>(k)] = {id, names.data[k]};
+      paths.add_first(id, names.data[k]);
     }
-    // (A module reached twice is named by its first path, as named_modules() and a dict of them name it.)
-    std::stable_sort(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    paths.erase(std::unique(paths.begin(), paths.end(), [](const auto& a, const auto& b) { return a.first == b.first; }),
-                paths.end());
   } else {
     return py::none();
   }
@@ -381,6 +572,7 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
   constexpr Py_ssize_t kStages = 6;
   PyObject* const fp_names[] = {module_info_of.name(), spec_of.name(), orig_of.name(), padded_of.name(),
                                 shard_of.name()};
+  PlainAttr* const fp_attrs[] = {&module_info_of, &spec_of, &orig_of, &padded_of, &shard_of};
   std::vector<Fetched> ring(static_cast<size_t>(kStages * kStage));
   auto slot = [&](Py_ssize_t i) -> Fetched& { return ring[static_cast<size_t>(i % (kStages * kStage))]; };
   auto fp_at = [&](Py_ssize_t i) { return i >= 0 && i < n ? fps.data[i] : nullptr; };
@@ -388,7 +580,15 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
     prefetch_object(fp_at(i + 5 * kStage));  // its header and the words before it
     prefetch_attributes(fp_at(i + 4 * kStage), false);  // its dict object
     prefetch_attributes(fp_at(i + 3 * kStage), true);  // its dict's table
-    prefetch_values(fp_at(i + 2 * kStage), fp_names, 5);  // its attributes' objects
+    if (PyObject* fp = fp_at(i + 2 * kStage)) {  // its attributes' objects: at their remembered entries, or looked up
+      bool found = true;
+      for (PlainAttr* attr : fp_attrs) {
+        PyObject* value = attr->peek(fp);
+        found = found && value != nullptr;
+        if (value != nullptr) prefetch_object(value);
+      }
+      if (!found) prefetch_values(fp, fp_names, 5);
+    }
     if (PyObject* fp = fp_at(i + kStage + kStage / 2)) {  // its attributes read; what they keep asked for
       Fetched& f = slot(i + kStage + kStage / 2);
       f.module_info = owned(module_info_of(fp));
@@ -417,14 +617,13 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
       }
       __builtin_prefetch(f.param_name.ptr());
       __builtin_prefetch(reinterpret_cast<const char*>(f.param_name.ptr()) + 64);
+      paths.prefetch(reinterpret_cast<uintptr_t>(f.module.ptr()));
     }
     if (fp_at(i - kStage) != nullptr) {  // the name: f"{path}.{param_name}" if path else param_name
       Fetched& f = slot(i - kStage);
       Param& p = params[static_cast<size_t>(i - kStage)];
       PyObject* path = unknown.ptr();  // ("?": a module the paths do not know, as fsdp2_shard_info names it)
-      auto found = std::lower_bound(paths.begin(), paths.end(), std::make_pair(reinterpret_cast<uintptr_t>(f.module.ptr()),
-                                    static_cast<PyObject*>(nullptr)));
-      if (found != paths.end() && found->first == reinterpret_cast<uintptr_t>(f.module.ptr())) path = found->second;
+      if (PyObject* found = paths.find(reinterpret_cast<uintptr_t>(f.module.ptr()))) path = found;
       p.name = PyUnicode_GET_LENGTH(path) == 0 ? std::move(f.param_name) : owned(joined_name(path, f.param_name.ptr()));
       shards[static_cast<size_t>(i - kStage)] = std::move(f.shard);
       f = Fetched{};

@@ -150,9 +150,43 @@ class SharedKeysTables {
     return found != nullptr && PyDict_CheckExact(found) ? found : nullptr;
   }
 
-  // part() where the dict's table is plain (`t`, from of()), else part_of()'s lookup.
-  static PyObject* part_or_lookup(PyObject* dict, const Table* t, int p) {
-    return t != nullptr ? part(dict, *t, p) : part_of(dict, interned().parts[p]);
+  // part() where the dict's table is plain (`t`, from of()), else part_of()'s lookup, made at a remembered
+  // entry where the dict is a combined table (see combined()).
+  PyObject* part_or_lookup(PyObject* dict, const Table* t, int p) {
+    if (t != nullptr) return part(dict, *t, p);
+    if (PyObject* found = combined(dict, p)) return PyDict_CheckExact(found) ? found : nullptr;
+    PyObject* found = part_of(dict, interned().parts[p]);
+    if (found != nullptr) learn(dict, p, found);
+    return found;
+  }
+
+  // A module whose __dict__ is a combined table of its own (an instance that was given attributes its class's
+  // shared table lacks after its dict was made: FSDP2's managed modules, each with two more) is looked up in,
+  // three lookups each visit and as many again to warm the next. Modules made alike hold a part at the same
+  // entry of their tables: the entry where the last one held it is read directly, where it holds that very
+  // name (the interned key the class's code set it under; any other key is looked up). Borrowed, or nullptr.
+  PyObject* combined(PyObject* dict, int p) const {
+    const Py_ssize_t at = combined_at_[p];
+    if (at < 0 || reinterpret_cast<PyDictObject*>(dict)->ma_values != nullptr) return nullptr;
+    const DictKeys* keys = keys_of(dict);
+    if (keys->dk_kind != kDictKeysUnicode || at >= keys->dk_nentries) return nullptr;
+    const DictUnicodeEntry& e = unicode_entries(keys)[at];
+    return e.me_key == interned().parts[p] ? e.me_value : nullptr;  // (a deleted entry: both null)
+  }
+
+  // Where a combined table holds part p (found by lookup), remembered for the next dict (none where not found).
+  void learn(PyObject* dict, int p, PyObject* found) {
+    combined_at_[p] = -1;
+    if (!combined_layout_ok_ || reinterpret_cast<PyDictObject*>(dict)->ma_values != nullptr) return;
+    const DictKeys* keys = keys_of(dict);
+    if (keys->dk_kind != kDictKeysUnicode) return;
+    const DictUnicodeEntry* entries = unicode_entries(keys);
+    for (Py_ssize_t i = 0; i < keys->dk_nentries; ++i) {
+      if (entries[i].me_key == interned().parts[p] && entries[i].me_value == found) {
+        combined_at_[p] = i;
+        return;
+      }
+    }
   }
 
   // Whether this CPython lays split dicts out as DictKeys and the values array read here assume: checked
@@ -199,6 +233,8 @@ class SharedKeysTables {
   }
 
   std::vector<Table> tables_;
+  Py_ssize_t combined_at_[3] = {-1, -1, -1};  // each part's entry in the last combined table it was found in
+  const bool combined_layout_ok_ = combined_keys_layout_ok();  // (probed at the helper's import)
 };
 
 // A module's three parts from its __dict__ (exact dicts, borrowed), through `tables` where its table is plain
@@ -207,7 +243,7 @@ class SharedKeysTables {
 bool parts_of(PyObject* dict, SharedKeysTables& tables, PyObject* parts[3]) {
   const SharedKeysTables::Table* t = tables.of(dict);
   for (int p = 0; p < 3; ++p) {
-    if ((parts[p] = SharedKeysTables::part_or_lookup(dict, t, p)) == nullptr) return false;
+    if ((parts[p] = tables.part_or_lookup(dict, t, p)) == nullptr) return false;
   }
   return t != nullptr || !shadows_methods(dict);
 }
@@ -408,8 +444,8 @@ class Builder {
       if (PyObject* dict = keyed_dict(kid(kParts))) {
         const SharedKeysTables::Table* shared = tables_.of(dict);
         for (int p = 0; p < 3; ++p) {
-          PyObject* part = shared != nullptr ? SharedKeysTables::slot(dict, *shared, p)
-                                             : PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
+          PyObject* part = shared != nullptr ? SharedKeysTables::slot(dict, *shared, p) : tables_.combined(dict, p);
+          if (part == nullptr && shared == nullptr) part = PyDict_GetItemWithError(dict, interned().parts[p]);  // borrowed
           if (part == nullptr) PyErr_Clear();
           else __builtin_prefetch(part);  // (its type not checked: that would wait for the object)
         }
@@ -419,7 +455,7 @@ class Builder {
       if (PyObject* dict = keyed_dict(kid(kPartTables))) {
         const SharedKeysTables::Table* shared = tables_.of(dict);
         for (int p = 0; p < 3; ++p) {
-          if (PyObject* part = SharedKeysTables::part_or_lookup(dict, shared, p)) {
+          if (PyObject* part = tables_.part_or_lookup(dict, shared, p)) {
             prefetch_table(reinterpret_cast<PyDictObject*>(part)->ma_keys);
           }
         }
@@ -427,7 +463,7 @@ class Builder {
     }
     if (k + kValues < n) {  // (the first few tensors of _parameters: visit asks each for its type)
       if (PyObject* dict = keyed_dict(kid(kValues))) {
-        if (PyObject* part = SharedKeysTables::part_or_lookup(dict, tables_.of(dict), 0)) {
+        if (PyObject* part = tables_.part_or_lookup(dict, tables_.of(dict), 0)) {
           Py_ssize_t pos = 0;
           PyObject *name, *value;
           for (int i = 0; i < 4 && PyDict_Next(part, &pos, &name, &value); ++i) __builtin_prefetch(value);

@@ -361,6 +361,7 @@ PYBIND11_MODULE(_torch_ext, m) {
   // (Probed here, at import: the probe makes Python objects, which a walk must not.)
   m.attr("SHARED_KEYS") = shared_keys_layout_ok();
   m.attr("COMBINED_KEYS") = combined_keys_layout_ok();
+  m.attr("INLINE_VALUES") = inline_values_layout_ok();
   bind_module_tree(m);
   m.def("build_module_tree", &build_module_tree, py::arg("root"), py::arg("module_type"),
         py::arg("refused") = py::tuple(), py::arg("with_modules") = false,
@@ -384,6 +385,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         "class attribute of that name nor its own attribute lookup), read a few objects ahead; else None.");
   m.def("same_object_sets", &same_object_sets, py::arg("a"), py::arg("b"), py::arg("count_b"),
         "set(map(id, a)) == set(map(id, b[:count_b])) for two lists, without touching their objects.");
+  m.def("module_kinds", &module_kinds, py::arg("modules"), py::arg("cls"),
+        "(the last module of each class, in the order the classes are first met; the indices of the modules "
+        "whose class is a subclass of cls) of a list of modules, in one pass over their headers.");
   m.def("fsdp2_layouts", &fsdp2_layouts, py::arg("fsdp_params"), py::arg("module_paths"),
         "(names, layout index of each, first parameter of each layout, _sharded_param_data of each) of a list "
         "of FSDPParams, named as fsdp2_shard_info names them from module_paths (a dict id -> path, or (ids as "

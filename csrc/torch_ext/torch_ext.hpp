@@ -372,10 +372,16 @@ py::object prefixed_names(py::handle prefix, py::handle names, Py_ssize_t start,
 // Whether a combined str-keyed dict's entries are laid out as its reads of remembered entries assume (probed
 // once, at import: the probe makes Python objects, which a pass must not).
 bool combined_keys_layout_ok();
+// Whether an instance's inline values are indexed as its class's shared keys' entries, as its reads of them
+// assume (probed once, at import, on instances of a class the probe makes).
+bool inline_values_layout_ok();
 // [getattr(o, name) for o in objs] where each is a plain instance attribute (see PlainAttr there); else None.
 py::object instance_attrs(py::handle objs, const char* name);
 // set(map(id, a)) == set(map(id, b[:count_b])), without touching the objects.
 bool same_object_sets(py::handle a, py::handle b, Py_ssize_t count_b);
+// (list(dict(zip(map(type, modules), modules)).values()), [i for i, m in enumerate(modules) if
+// issubclass(type(m), cls)]) of a list of modules: one of each class (the last), and which are instances of cls.
+py::tuple module_kinds(py::handle modules, py::handle cls);
 // fsdp2_shard_info's per-parameter part: (names, layout index of each, first parameter of each layout, padded
 // shards) | None.
 py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths);

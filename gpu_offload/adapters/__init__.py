@@ -289,7 +289,7 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
 # traversal, which the record's is checked to be when it is made. FSDP2 swaps each parameter's slot out and
 # back every step (the record sees the same items again); the groups, weakly referenced (they reference the
 # modules), are resharded where a forward left them unsharded, as the Python walk does.
-_fsdp2_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int, list[Any], dict[str, Any]]]" = (
+_fsdp2_trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, list[str], int, fsdp.GroupRefs, dict[str, Any]]]" = (
     weakref.WeakKeyDictionary())
 
 
@@ -322,7 +322,7 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
     return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
 
 
-def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, list[Any], dict[str, Any]]]:
+def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, fsdp.GroupRefs, dict[str, Any]]]:
     """Records an FSDP2 root's traversal in C++ and names its tensors from it as the Python walk does (what
     that checks and raises, this raises; idle groups are resharded, and the traversal recorded again where one
     was); keeps the record where it reads the same as that walk (the managed parameters, then the others and

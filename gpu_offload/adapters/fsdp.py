@@ -290,9 +290,13 @@ def _fsdp2_scan(module: nn.Module, paths: dict[int, str] | None = None,
     module is not walked, and the few FSDP modules are picked out by class at C speed (no Python per module)."""
     if named_modules is not None and paths is None:
         names, modules = named_modules
+        cls = _fsdp2_class()
+        if _ext is not None and cls is not None and type(modules) is list:
+            # (The helper's pass over the modules' headers: 65793 of them, 1 ms against 8 in Python.)
+            last_of_kinds, at = _ext.module_kinds(modules, cls)
+            return last_of_kinds, list(_groups_of(((names[i], modules[i]) for i in at), None))
         types = list(map(type, modules))  # (one pass over the modules' objects: each read is a cache miss)
         kinds = dict(zip(types, modules))  # (the last module of each class, as the walk keeps)
-        cls = _fsdp2_class()
         sharded = {kind for kind in kinds if cls is not None and issubclass(kind, cls)}
         # (A generator: no list of pairs alive at once, which could start the garbage collector.)
         picked = ((names[i], modules[i])
@@ -316,20 +320,54 @@ def is_fsdp2_root(module: nn.Module) -> bool:
     return cls is not None and isinstance(module, cls)
 
 
-def group_refs(module: nn.Module, groups: list[tuple[str, nn.Module, Any]] | None = None) -> list[tuple[str, Any, Any]]:
-    """(path, weak reference to the FSDPModule, weak reference to the FSDPParamGroup) of every group in
-    ``module``: what a recorded traversal keeps (a group references its modules, which a strong reference
-    from the record would keep alive). groups: list(_fsdp2_groups(module)), where the caller just walked it."""
+#: What a recorded traversal keeps of an FSDP2 model's groups (group_refs): their paths, a weak reference to
+#: each FSDPParamGroup, and where its FSDPModule sits in the group's `modules` (-1: not there, then a weak
+#: reference to the module follows in `others`).
+GroupRefs = tuple[list[str], list[Any], list[int], list[Any]]
+
+
+def group_refs(module: nn.Module, groups: list[tuple[str, nn.Module, Any]] | None = None) -> GroupRefs:
+    """(paths, weak references to the FSDPParamGroups, ...) of every group in ``module`` (GroupRefs): what a
+    recorded traversal keeps (a group references its modules, which a strong reference from the record would
+    keep alive; so would the root's state, which every module's hooks reach). The module is found through
+    its group (`group.modules`), so that a model's first call makes one weak reference per group, not two
+    and a tuple: 257 groups made 771 objects the collector tracks, and past 700 its young generation is
+    collected, visiting the call's lists of 65536 tensors and modules (6.5 ms). groups:
+    list(_fsdp2_groups(module)), where the caller just walked it."""
     import weakref
 
-    found = groups if groups is not None else _fsdp2_groups(module)
-    return [(path, weakref.ref(m), weakref.ref(g)) for path, m, g in found]
+    found = groups if groups is not None else list(_fsdp2_groups(module))
+    paths, refs, at, others = [], [], [], []
+    for path, m, g in found:
+        paths.append(path)
+        refs.append(weakref.ref(g))
+        mine = getattr(g, "modules", ())
+        k = next((i for i, x in enumerate(mine) if x is m), -1) if type(mine) in (tuple, list) else -1
+        at.append(k)
+        if k < 0:
+            others.append(weakref.ref(m))
+    return paths, refs, at, others
 
 
-def live_groups(refs: list[tuple[str, Any, Any]]) -> list[tuple[str, nn.Module, Any]] | None:
-    """The groups of group_refs(), or None where one of them is gone."""
-    out = [(path, m(), g()) for path, m, g in refs]
-    return None if any(m is None or g is None for _, m, g in out) else out
+def live_groups(refs: GroupRefs) -> list[tuple[str, nn.Module, Any]] | None:
+    """The groups of group_refs(), as (path, FSDPModule, FSDPParamGroup), or None where one of them is gone
+    (or no longer holds its module)."""
+    paths, groups, at, others = refs
+    out = []
+    more = iter(others)
+    for path, ref, k in zip(paths, groups, at):
+        g = ref()
+        if g is None:
+            return None
+        if k >= 0:
+            mine = getattr(g, "modules", ())
+            m = mine[k] if type(mine) in (tuple, list) and k < len(mine) else None
+        else:
+            m = next(more)()
+        if m is None:
+            return None
+        out.append((path, m, g))
+    return out
 
 
 def reshard_idle(groups: list[tuple[str, nn.Module, Any]]) -> None:
@@ -503,7 +541,8 @@ def _paths_dict(paths: ModulePaths) -> dict[int, str]:
 
 def fsdp2_params_of(groups: list[tuple[str, nn.Module, Any]]) -> list[Any]:
     """The FSDPParams of the groups, in their order."""
-    return [fp for _, _, group in groups for fp in group.fsdp_params]
+    # (Each group's list extended at C speed: a comprehension over 65536 of them took 3 ms.)
+    return list(itertools.chain.from_iterable(group.fsdp_params for _, _, group in groups))
 
 
 def fsdp2_shard_info(groups: list[tuple[str, nn.Module, Any]], paths: ModulePaths) -> dict[str, Any]:
