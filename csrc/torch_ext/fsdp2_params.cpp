@@ -56,7 +56,8 @@ inline void prefetch_object(PyObject* o) {
 // Where an object of a managed-dict class (CPython 3.11 and 3.12) keeps its attributes, to be asked for ahead
 // of the reads: its materialized dict, or else its inline values (either may be nullptr). The words before the
 // object, as pycore_object.h reads them: 3.11 keeps the dict at -3 and the values at -4; 3.12 either at -3,
-// the values tagged by their low bit.
+// the values stored one byte before their (aligned) address, so that the low bit tells them from a dict
+// (_PyDictOrValues_SetValues stores values - 1, _PyDictOrValues_GetValues reads it + 1).
 struct Attributes {
   PyObject* dict = nullptr;
   const void* values = nullptr;
@@ -68,7 +69,7 @@ inline Attributes attributes_of(PyObject* o) {
   return {reinterpret_cast<PyObject*>(words[-3]), reinterpret_cast<const void*>(words[-4])};
 #else
   const uintptr_t w = words[-3];
-  if (w & 1) return {nullptr, reinterpret_cast<const void*>(w - 1)};
+  if (w & 1) return {nullptr, reinterpret_cast<const void*>(w + 1)};
   return {reinterpret_cast<PyObject*>(w), nullptr};
 #endif
 }
