@@ -654,12 +654,16 @@ class TargetPlan:
 class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
-    def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
-                 hit: bool, held: Any = None, bumped: bool = False,
-                 wrapped: Optional[list[torch.Tensor]] = None) -> None:
+    def __init__(self, plan: TargetPlan, tensors: Optional[list[torch.Tensor]],
+                 storages: Optional[list[torch.UntypedStorage]], hit: bool, held: Any = None, bumped: bool = False,
+                 wrapped: Optional[list[torch.Tensor]] = None,
+                 read: Optional[Callable[[], list[torch.Tensor]]] = None) -> None:
         self.plan = plan
-        self.tensors = tensors  # (plain: a DTensor's local tensor)
-        self.wrapped = wrapped if wrapped is not None else tensors  # (as the target gives them)
+        # The tensors (plain: a DTensor's local tensor), or None until asked for: then `read()` gives them (a
+        # plan of plain tensors checked through a recorded traversal, see resolve_traversal()).
+        self._tensors = tensors
+        self._wrapped = wrapped  # (as the target gives them; None: the plain ones)
+        self._read = read
         self._storages = storages
         self.hit = hit
         # The live storages as the check found them, held for this call's resize and watch (resolve(hold=True)
@@ -669,8 +673,22 @@ class Resolved:
         self.bumped = bumped
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self._read()  # type: ignore[misc]
+        return self._tensors
+
+    @property
+    def wrapped(self) -> list[torch.Tensor]:
+        return self._wrapped if self._wrapped is not None else self.tensors
+
+    @property
     def layout(self) -> Layout:
         return self.plan.layout
+
+    def dtensor_specs(self) -> dict[str, Any]:
+        """The plan's DTensor specs by name (none for a plan of plain tensors, without reading them)."""
+        return {} if self.plan.wrapper_ids is None else self.plan.dtensor_specs(self.wrapped)
 
     def storages(self) -> list[torch.UntypedStorage]:
         if self._storages is None:
@@ -888,6 +906,47 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
     return Resolved(plan, plain, bound.storages_read, False, wrapped=tensors)
+
+
+def resolve_traversal(traversal: Any, hold: bool = False, accept: Optional[Callable[[TargetPlan], bool]] = None,
+                      bump_if: Optional[Callable[[TargetPlan], bool]] = None) -> Optional[Resolved]:
+    """The cached plan of a plain module, checked through its recorded traversal (adapters.RecordedTraversal)
+    in one call that reads the tensors where the module holds them: a cache hit as resolve() or cached()
+    answers it, or None for anything else (the caller resolves the usual way): no such plan, a plan of
+    another target or of wrappers, one an offload released, one `accept` refuses, a changed module or tensor.
+
+    Without `hold`, the tensors are never put in a list (Resolved.tensors reads them again if asked: a
+    cached restore or snapshot never does); with it, the list is made in the check's own call, next to the
+    storages it holds. hold, accept, bump_if: as resolve()'s and cached()'s."""
+    key = traversal.key() if _ext is not None else None
+    if key is None:
+        return None
+    with _cache_lock:
+        _prune()
+        plan = _cache.get(("record", *key))
+    # (A plan released and not offloaded is only ever resolved afresh; see resolve().)
+    if (plan is None or plan.record is None or plan.wrapper_ids is not None or (plan.released and plan.offloaded is None)
+            or (accept is not None and not accept(plan)) or not plan._same_names(traversal.names)):
+        return None
+    bump = not hold and bump_if is not None and bump_if(plan)
+    held = tensors = None
+    try:
+        if hold:
+            found = traversal.check_held(plan.record)
+            ok = found is not None
+            if ok:
+                held, tensors = found
+        else:
+            ok = traversal.check(plan.record, bump)
+    except Exception:  # (as _checked: the usual path says what is wrong)
+        return None
+    if not ok:
+        return None
+    with _cache_lock:
+        if _cache.get(plan.key) is plan:
+            _cache.move_to_end(plan.key)
+    _stats["hits"] += 1
+    return Resolved(plan, tensors, None, True, held, bump, read=traversal.tensors)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:

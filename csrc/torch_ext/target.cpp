@@ -485,15 +485,21 @@ bool TargetRecord::same_storages(const TargetRecord& other) const {
   return true;
 }
 
-bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(list, nullptr, /*memory=*/false); }
+bool TargetRecord::same_views(py::handle list) const {
+  return PyList_CheckExact(list.ptr()) && check_impl<false>(items_of(list), nullptr, /*memory=*/false);
+}
 
 bool TargetRecord::check(py::handle list, bool bump) const {
-  if (!bump) return check_impl<false>(list, nullptr);
+  return PyList_CheckExact(list.ptr()) && check_items(items_of(list), bump);
+}
+
+bool TargetRecord::check_items(Items items, bool bump) const {
+  if (!bump) return check_impl<false>(items, nullptr);
   static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "Counter::object reads VariableVersion's one pointer");
   // Each tensor's version counter, as the check reads its TensorImpl, for the bump once every tensor passed.
   std::vector<Counter> counters;
   counters.reserve(tensors_.size());
-  if (!check_impl<false>(list, nullptr, /*memory=*/true, &counters)) return false;
+  if (!check_impl<false>(items, nullptr, /*memory=*/true, &counters)) return false;
   // Every TensorImpl is the one recorded, alive (its object in `list` holds it) and, the GIL held since the
   // check, still that object's, with the counter it had then. A counter is an object of its own
   // (VariableVersion's one intrusive_ptr) whose address the check read: each is asked for ahead, where a
@@ -513,18 +519,20 @@ bool TargetRecord::check(py::handle list, bool bump) const {
 }
 
 py::object TargetRecord::check_held(py::handle list) const {
+  return PyList_CheckExact(list.ptr()) ? check_items_held(items_of(list)) : py::none();
+}
+
+py::object TargetRecord::check_items_held(Items items) const {
   auto held = std::make_unique<HeldStorages>();
   held->record_id = id_;
   held->refs.reserve(live_.size());
-  if (!check_impl<true>(list, &held->refs)) return py::none();
+  if (!check_impl<true>(items, &held->refs)) return py::none();
   return py::cast(held.release(), py::return_value_policy::take_ownership);
 }
 
 template <bool kHold>
-bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory,
+bool TargetRecord::check_impl(Items items, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory,
                               std::vector<Counter>* counters) const {
-  if (!PyList_CheckExact(list.ptr())) return false;
-  Items items = items_of(list);
   const Py_ssize_t n = items.size;
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();

@@ -178,6 +178,8 @@ class TargetRecord {
   // does (torch.autograd.graph.increment_version): through the TensorImpls just found to be the list's, in
   // the same call (nothing else runs in between), without reading each tensor's object again.
   bool check(py::handle list, bool bump = false) const;
+  // check() of borrowed items (the caller keeps each alive, e.g. the unchanged dicts of a recorded traversal).
+  bool check_items(Items items, bool bump = false) const;
   // check() without the storages' memory and sizes: the same tensor objects on the same storages (StorageImpls),
   // viewing them the same way (shape, strides, offset, dtype), whatever their storages hold now.
   bool same_views(py::handle list) const;
@@ -194,6 +196,7 @@ class TargetRecord {
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;
+  py::object check_items_held(Items items) const;  // check_held() of borrowed items (as check_items())
   // Re-reads every storage's memory, size, device and resizability (after the caller resized them);
   // false (nothing read) when `list` is not the recorded tensors on the recorded storages.
   bool refresh(py::handle list);
@@ -269,7 +272,7 @@ class TargetRecord {
   };
   // counters: where not nullptr, each checked tensor's Counter (none for an inference tensor), in order.
   template <bool kHold>
-  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
+  bool check_impl(Items items, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
                   std::vector<Counter>* counters = nullptr) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
   // `held` when it is this record's unspent HeldStorages, all of whose storages it still holds (`from`: or
