@@ -657,6 +657,104 @@ def test_dtensor_plans_are_of_their_local_tensors_and_of_those_very_dtensors() -
     run_ranks(_check_dtensor_plans, 1)
 
 
+# -- An FSDP2 model's cached plan, checked through its recorded traversal (no lists of DTensors or shards) --------
+def _check_fsdp2_through_traversal(rank: int, world_size: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from gpu_offload import plan
+
+    if torch_ext.ext is None or not torch_ext.ext.MODULE_TREE:
+        return
+    a, opt = _make("fsdp2", world_size)
+    _step(a, opt, 0, rank)
+    seen: list[bool] = []
+    real = plan.resolve_traversal
+
+    def spy(*args: object, **kwargs: object) -> object:
+        found = real(*args, **kwargs)
+        seen.append(found is not None)
+        return found
+
+    def named_locals() -> dict[str, torch.Tensor]:
+        return {n: _local(t).detach().clone() for n, t in fsdp_adapter.fsdp2_named_tensors(a, include_grads=False)}
+
+    def matches(snap: go.Snapshot, expected: dict[str, torch.Tensor]) -> None:
+        got = snap.tensors()
+        assert list(got) == list(expected)
+        for n in expected:
+            assert torch.equal(_local(got[n]), expected[n]), n
+
+    go.snapshot(a).free()  # (the plan made and cached)
+    plan.resolve_traversal = spy
+    try:
+        # Each call through it: snapshot, restore, offload, reload. A forward leaves the root unsharded: the
+        # traversal's read reshards it first, as the walk does.
+        expected = named_locals()
+        with go.snapshot(a) as snap:
+            matches(snap, expected)
+            for p in a.parameters():
+                _local(p).detach().add_(1)
+            go.restore(a, snap)
+        assert named_locals().keys() == expected.keys()
+        assert all(torch.equal(t, expected[n]) for n, t in named_locals().items())
+        go.offload(a)
+        go.reload(a)
+        _probe(a)
+        with go.snapshot(a) as snap:
+            matches(snap, expected)
+        assert seen == [True] * 5, seen
+        # Each change is seen by the check: the call is no hit through it, and reads the model as it is now.
+        params = [p for p in a.parameters() if isinstance(p, DTensor)]
+        first, middle = params[0], params[len(params) // 2]
+        changes = [
+            # the local tensor moved to other memory (the DTensor object the same)
+            lambda: setattr(middle, "_local_tensor", middle._local_tensor.clone().add_(3)),
+            # `.data` of the local tensor replaced
+            lambda: setattr(middle._local_tensor, "data", torch.full_like(middle._local_tensor, 5.0)),
+            # the first parameter's local tensor (the plan's cache key) replaced
+            lambda: setattr(first, "_local_tensor", first._local_tensor.clone().add_(7)),
+        ]
+        for change in changes:
+            change()
+            seen.clear()
+            expected = named_locals()
+            with go.snapshot(a) as snap:
+                assert seen == [False], seen
+                matches(snap, expected)
+            seen.clear()
+            with go.snapshot(a) as snap:  # (a fresh plan, cached: through the traversal again)
+                assert seen == [True], seen
+                matches(snap, expected)
+        # A plan is of those very DTensors (their specs are its): the check refuses wrappers of other ids, and
+        # passes the plan's own.
+        from gpu_offload import adapters
+
+        traversal = adapters.recorded_traversal(a, False)
+        cached = plan.resolve_traversal(traversal)
+        assert cached is not None
+        own = cached.plan.wrapper_ids
+        other = own[:8] + bytes(8) + own[16:]
+        assert traversal.check(cached.plan.record, False, own) and not traversal.check(cached.plan.record, False, other)
+        assert traversal.check_held(cached.plan.record, other) is None
+        assert not traversal.check(cached.plan.record, False, own[:-8])  # (and of another length)
+        # Another DTensor object in a parameter's slot: the module changed, and the walk names what FSDP2 does
+        # not manage as the Python walk does (it refuses).
+        owner = next(m for m in a.modules() if any(p is middle for p in m._parameters.values()))
+        key = next(k for k, p in owner._parameters.items() if p is middle)
+        owner._parameters[key] = nn.Parameter(DTensor.from_local(middle._local_tensor, middle.device_mesh,
+                                                                 middle.placements, run_check=False))
+        seen.clear()
+        with pytest.raises(go.OffloadError, match="not registered"):
+            go.snapshot(a)
+        assert seen == [False], seen
+    finally:
+        plan.resolve_traversal = real
+
+
+def test_an_fsdp2_models_cached_plan_is_checked_through_its_traversal_and_sees_every_change() -> None:
+    run_ranks(_check_fsdp2_through_traversal, 1)
+
+
 # -- FSDP2 record under two threads: one offloads and reloads, the other snapshots and restores ------------
 def _check_fsdp2_record_two_threads(rank: int, world_size: int) -> None:
     import threading

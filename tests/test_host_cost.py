@@ -748,8 +748,9 @@ def test_the_traversal_check_agrees_with_the_lists_and_bumps_only_what_passes(ar
     versions = [t._version for t in tensors]
     assert traversal.check(record, bump=True) and record.check(tensors)
     assert [t._version for t in tensors] == [v + 1 for v in versions]  # each bumped once
-    held, listed = traversal.check_held(record)
+    held, listed, wrappers = traversal.check_held(record)
     assert held.num_held == len(resolved.plan.live) and [id(t) for t in listed] == [id(t) for t in tensors]
+    assert wrappers is None
     # A tensor changed: both refuse, and the bump touches no tensor.
     m[1].experts[2].weight.data = torch.randn(2, 2)
     versions = [t._version for t in tensors]
@@ -759,6 +760,31 @@ def test_the_traversal_check_agrees_with_the_lists_and_bumps_only_what_passes(ar
     # The module changed: refused before any tensor is read.
     m[1].experts[2].weight = torch.nn.Parameter(torch.randn(2, 2))
     assert not traversal.check(record, bump=False) and traversal.check_held(record) is None
+
+
+@needs_ext
+def test_the_traversal_check_refuses_a_parameter_zero3_converted_while_deepspeed_is_imported(arena, checks,
+                                                                                          monkeypatch):
+    # ZeRO-3 converts a parameter in place (its attributes; the module's dicts do not change): while DeepSpeed is
+    # imported, the usual read asks hasattr(p, "ds_tensor") of every parameter, and so does the check.
+    import types
+
+    m = _warmed_model_of_helper(arena, checks)
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    traversal = adapters.recorded_traversal(m, False)
+    record = plan.resolve(named_tensors(m)).plan.record
+    assert traversal.check(record, False)
+    m[1].experts[2].weight.other_attribute = 1  # (a parameter with a __dict__ of its own)
+    m[1].experts[2].weight.ds_tensor = torch.empty(0)
+    assert traversal.check(record, False)  # (DeepSpeed not imported: not asked, as the usual read does not)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    assert not traversal.check(record, False) and traversal.check_held(record) is None
+    assert plan.resolve_traversal(adapters.recorded_traversal(m, False)) is None
+    del m[1].experts[2].weight.ds_tensor
+    assert traversal.check(record, False)
+    # A parameter of a class that has the name: not told without Python code, so refused.
+    monkeypatch.setattr(torch.nn.Parameter, "ds_tensor", None, raising=False)
+    assert not traversal.check(record, False)
 
 
 @needs_ext

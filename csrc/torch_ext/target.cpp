@@ -1147,6 +1147,18 @@ py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot)
   return std::move(out);
 }
 
+PyObject* local_of(PyObject* obj, PyTypeObject*& known, Py_ssize_t& offset) {
+  if (plain_tensor(obj)) return obj;
+  if (!is_tensor(obj)) return nullptr;
+  if (Py_TYPE(obj) != known) {  // (a target's wrappers share one class: its slot is found once)
+    known = Py_TYPE(obj);
+    offset = local_tensor_slot(known);
+  }
+  if (offset < 0) return nullptr;
+  PyObject* local = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+  return local != nullptr && plain_tensor(local) ? local : nullptr;  // (unset, or itself a wrapper)
+}
+
 py::object local_tensors(py::handle list) {
   Items items = items_of(list);
   if (std::all_of(items.data, items.data + items.size, plain_tensor)) {
@@ -1154,23 +1166,13 @@ py::object local_tensors(py::handle list) {
   }
   py::list out(items.size);
   PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
-  // (The last class's slot, found again only when the class changes: a target's wrappers share one.)
   PyTypeObject* known = nullptr;
   Py_ssize_t offset = -1;
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    PyObject* obj = items.data[i];
-    if (!plain_tensor(obj)) {
-      if (!is_tensor(obj)) return py::none();
-      if (Py_TYPE(obj) != known) {
-        known = Py_TYPE(obj);
-        offset = local_tensor_slot(known);
-      }
-      if (offset < 0) return py::none();
-      obj = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
-      if (obj == nullptr || !plain_tensor(obj)) return py::none();  // (unset, or itself a wrapper)
-    }
-    Py_INCREF(obj);
-    slots[i] = obj;
+    PyObject* local = local_of(items.data[i], known, offset);
+    if (local == nullptr) return py::none();
+    Py_INCREF(local);
+    slots[i] = local;
   }
   return std::move(out);
 }

@@ -340,6 +340,10 @@ void bump_versions(py::handle list);
 // DTensor) replaced by it; the list itself where every item is a plain tensor; None where an item is
 // anything else (the caller's Python path decides).
 py::object local_tensors(py::handle list);
+// The tensor holding a target item's data (local_tensors()' for one item): a plain tensor itself, a wrapper's
+// `_local_tensor` slot where that holds a plain tensor, else nullptr. Borrowed (the item holds it). `known`
+// and `offset`: the last class asked about and its slot, carried from item to item.
+PyObject* local_of(PyObject* obj, PyTypeObject*& known, Py_ssize_t& offset);
 // {name: t.<slot>} of each tensor that is not a plain one and has the slot set ({n: t._spec for a DTensor}), read
 // from the class's member slot; None where such a class keeps no plain slot of that name.
 py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot);

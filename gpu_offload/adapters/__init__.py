@@ -285,37 +285,41 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
 
 
 class RecordedTraversal:
-    """A plain module's recorded traversal, offered for a cached plan's check without its tensors in a list:
-    the check walks the module and checks the tensors where the walk finds them, in one call (the list, a new
+    """A module's recorded traversal, offered for a cached plan's check without its tensors in a list: the
+    check walks the module and checks the tensors where the walk finds them, in one call (the list, a new
     reference to every tensor and each dropped again, costs about 10% of a cached restore of 65536
     parameters). Answers nothing true unless its check passes: `names` and `key()` are the record's, and a
-    changed module fails the check, after which the caller reads the target the usual way. (DeepSpeed
-    imported: not offered, see recorded_traversal.)"""
+    changed module fails the check, after which the caller reads the target the usual way. `wrapped`: an
+    FSDP2 root's, whose tensors are DTensors (the plan is of their local tensors). While DeepSpeed is imported
+    the check also refuses a module any of whose parameters ZeRO-3 converted, as the usual read asks."""
 
-    __slots__ = ("names", "distinct", "_tree", "_module")
+    __slots__ = ("names", "wrapped", "_tree", "_module")
 
-    def __init__(self, tree: Any, names: list[str], module: torch.nn.Module) -> None:
+    def __init__(self, tree: Any, names: list[str], module: torch.nn.Module, wrapped: bool = False) -> None:
         self.names = names
-        self.distinct = bool(tree.names_distinct)
+        self.wrapped = wrapped
         self._tree = tree
         self._module = module
 
     def key(self) -> Optional[tuple[int, int, int]]:
-        """(number of tensors, id of the first, id of the last) as recorded, or None for a module of none."""
+        """(number of tensors, id of the first, id of the last) as recorded (the wrappers' where `wrapped`),
+        or None for a module of none."""
         return self._tree.ends
 
-    def check(self, record: Any, bump: bool) -> bool:
-        """Whether the module is unchanged and its tensors pass `record`'s check (bumped with `bump`)."""
-        return bool(self._tree.check_record(self._module, record, bump))
+    def check(self, record: Any, bump: bool, wrapper_ids: Any = None) -> bool:
+        """Whether the module is unchanged and its tensors (their local tensors, where `wrapper_ids` are the
+        ids of the wrappers the plan was made of) pass `record`'s check, bumped with `bump`."""
+        return bool(self._tree.check_record(self._module, record, bump, wrapper_ids, "deepspeed" in sys.modules))
 
-    def check_held(self, record: Any) -> Optional[tuple[Any, list[torch.Tensor]]]:
-        """check() holding the live storages (record.check_held's HeldStorages), with the tensors in a list
-        made in the same call (a call that holds them resizes or watches them, and its undo reaches them
-        through the list); None where check() would be false."""
-        return self._tree.check_record_held(self._module, record)
+    def check_held(self, record: Any, wrapper_ids: Any = None) -> Optional[tuple[Any, list[torch.Tensor], Any]]:
+        """check() holding the live storages: (record.check_held's HeldStorages, the checked tensors, the
+        wrappers or None) in lists made in the same call (a call that holds them resizes or watches them,
+        and its undo reaches them through the list); None where check() would be false."""
+        return self._tree.check_record_held(self._module, record, wrapper_ids, "deepspeed" in sys.modules)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors, read again from the module (for a call that needs them after the check)."""
+        """The tensors as the target gives them (the wrappers where `wrapped`), read again from the module
+        (for a call that needs them after the check)."""
         tensors = self._tree.tensors(self._module)
         if tensors is None:
             raise OffloadError(f"{type(self._module).__qualname__} changed (a parameter, buffer or submodule "
@@ -324,15 +328,20 @@ class RecordedTraversal:
 
 
 def recorded_traversal(target: Any, include_grads: bool) -> Optional[RecordedTraversal]:
-    """The recorded traversal of a plain module target (named_tensors() with include_grads=False would read
-    it), else None: anything else, no record yet, or DeepSpeed imported (whether ZeRO-3 converted the
-    parameters is asked over them, in a list)."""
+    """The recorded traversal of a plain module or FSDP2 root target (named_tensors() with include_grads=False
+    would read it), else None: anything else, or no record yet. An FSDP2 root's idle unsharded groups are
+    resharded first, as that read does."""
     if include_grads or _ext is None or not _ext.MODULE_TREE or not isinstance(target, torch.nn.Module):
         return None
+    if fsdp.is_fsdp2_root(target):
+        fsdp2_entry = _fsdp2_trees.get(target)
+        groups = fsdp.live_groups(fsdp2_entry[3]) if fsdp2_entry is not None else None
+        if groups is None:
+            return None
+        fsdp.reshard_idle(groups)  # (before the check: an unsharded group's slots hold other tensors)
+        return RecordedTraversal(fsdp2_entry[0], fsdp2_entry[1], target, wrapped=True)
     entry = _trees.get(target)
-    if entry is None or "deepspeed" in sys.modules or fsdp.is_fsdp2_root(target):
-        return None
-    return RecordedTraversal(entry[0], entry[1], target)
+    return RecordedTraversal(entry[0], entry[1], target) if entry is not None else None
 
 
 # An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
