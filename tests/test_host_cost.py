@@ -774,14 +774,16 @@ def test_the_traversal_check_refuses_a_parameter_zero3_converted_while_deepspeed
     traversal = adapters.recorded_traversal(m, False)
     record = plan.resolve(named_tensors(m)).plan.record
     assert traversal.check(record, False)
-    m[1].experts[2].weight.other_attribute = 1  # (a parameter with a __dict__ of its own)
-    m[1].experts[2].weight.ds_tensor = torch.empty(0)
+    weight = m[1].experts[2].weight
+    weight.__dict__["other_attribute"] = 1  # (its attributes in a dict of its own: read there)
+    weight.ds_tensor = torch.empty(0)
     assert traversal.check(record, False)  # (DeepSpeed not imported: not asked, as the usual read does not)
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    assert hasattr(weight, "ds_tensor")  # (what the usual read asks)
     assert not traversal.check(record, False) and traversal.check_held(record) is None
     assert plan.resolve_traversal(adapters.recorded_traversal(m, False)) is None
-    del m[1].experts[2].weight.ds_tensor
-    assert traversal.check(record, False)
+    del weight.ds_tensor
+    assert traversal.check(record, False) and traversal.check_held(record) is not None
     # A parameter of a class that has the name: not told without Python code, so refused.
     monkeypatch.setattr(torch.nn.Parameter, "ds_tensor", None, raising=False)
     assert not traversal.check(record, False)

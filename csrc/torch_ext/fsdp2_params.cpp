@@ -53,27 +53,6 @@ inline void prefetch_object(PyObject* o) {
 }
 
 #if GPU_OFFLOAD_DICT_VERSION_TAGS
-// Where an object of a managed-dict class (CPython 3.11 and 3.12) keeps its attributes, to be asked for ahead
-// of the reads: its materialized dict, or else its inline values (either may be nullptr). The words before the
-// object, as pycore_object.h reads them: 3.11 keeps the dict at -3 and the values at -4; 3.12 either at -3,
-// the values stored one byte before their (aligned) address, so that the low bit tells them from a dict
-// (_PyDictOrValues_SetValues stores values - 1, _PyDictOrValues_GetValues reads it + 1).
-struct Attributes {
-  PyObject* dict = nullptr;
-  const void* values = nullptr;
-};
-inline Attributes attributes_of(PyObject* o) {
-  if (o == nullptr || !PyType_HasFeature(Py_TYPE(o), Py_TPFLAGS_MANAGED_DICT)) return {};
-  const uintptr_t* words = reinterpret_cast<const uintptr_t*>(o);
-#if PY_VERSION_HEX < 0x030C0000
-  return {reinterpret_cast<PyObject*>(words[-3]), reinterpret_cast<const void*>(words[-4])};
-#else
-  const uintptr_t w = words[-3];
-  if (w & 1) return {nullptr, reinterpret_cast<const void*>(w + 1)};
-  return {reinterpret_cast<PyObject*>(w), nullptr};
-#endif
-}
-
 // The lines an attribute read of `o` touches after its header: its dict's object (`keys`: and its table, where
 // the dict object is already in cache) or its values.
 inline void prefetch_attributes(PyObject* o, bool keys) {

@@ -920,31 +920,38 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   return py::make_tuple(out, tree.names_with_grads);
 }
 
-// The tensors a record of `root`'s traversal was made of, borrowed, once the walk found the module unchanged
-// (its unchanged dicts hold them, and no Python code runs until the caller is done with them): the
-// traversal's own, or, for a plan of wrappers (`wrapper_ids`: their ids as the plan recorded them, one
-// native word each, as object_ids() gives them), the local tensor of each, where the traversal's tensors are
-// those very wrappers. false where the module changed, or the wrappers are others.
 // Whether none of the traversal's parameters carries a `ds_tensor` attribute (what DeepSpeed's ZeRO-3 sets on
 // a parameter it converts, in place: the module's dicts do not show it; hasattr(p, "ds_tensor") over them is
-// what the Python read asks while DeepSpeed is imported). Read from each parameter's own __dict__, where
-// there is one, in the walk's order; false where that cannot be told without running code (a class that has
-// the name, a __dict__ keyed by more than str): the caller reads the target the usual way.
+// what the Python read asks while DeepSpeed is imported). Read where each parameter keeps its attributes,
+// making nothing (attributes_of); false where that cannot be told without Python code or without reading
+// inline values (a class that has the name or reads attributes its own way, attributes kept inline, a
+// __dict__ keyed by more than str): the caller then reads the target the usual way.
 static bool none_converted_by_zero3(const ModuleTree& tree) {
   static PyObject* name = PyUnicode_InternFromString("ds_tensor");  // (never freed: the interpreter's)
   PyTypeObject* known = nullptr;
-  constexpr size_t kAhead = 8;  // (each parameter's object: its __dict__ pointer is in it)
+  constexpr size_t kAhead = 8;  // (each parameter's object: where its attributes are is in the words before it)
   for (size_t i = 0; i < tree.num_params; ++i) {
-    if (i + kAhead < tree.num_params) __builtin_prefetch(tree.tensors[i + kAhead]);
-    PyObject* param = tree.tensors[i];
-    if (Py_TYPE(param) != known) {
-      if (_PyType_Lookup(Py_TYPE(param), name) != nullptr) return false;
-      known = Py_TYPE(param);
+    if (i + kAhead < tree.num_params) {
+      __builtin_prefetch(tree.tensors[i + kAhead]);
+      __builtin_prefetch(reinterpret_cast<const char*>(tree.tensors[i + kAhead]) - 32);
     }
-    PyObject** dict_ptr = _PyObject_GetDictPtr(param);
-    if (dict_ptr == nullptr || *dict_ptr == nullptr) continue;
-    if (!PyDict_CheckExact(*dict_ptr) || !str_keyed(*dict_ptr)) return false;
-    PyObject* found = PyDict_GetItemWithError(*dict_ptr, name);  // (borrowed; a str-keyed lookup runs no code)
+    PyObject* param = tree.tensors[i];
+    PyTypeObject* type = Py_TYPE(param);
+    if (type != known) {
+      if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, name) != nullptr) return false;
+      known = type;
+    }
+    PyObject* dict = nullptr;
+    if (PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) {
+      const Attributes a = attributes_of(param);
+      if (a.values != nullptr) return false;
+      dict = a.dict;
+    } else if (PyObject** dict_ptr = _PyObject_GetDictPtr(param)) {  // (no managed dict: a pointer, nothing made)
+      dict = *dict_ptr;
+    }
+    if (dict == nullptr) continue;
+    if (!PyDict_CheckExact(dict) || !str_keyed(dict)) return false;
+    PyObject* found = PyDict_GetItemWithError(dict, name);  // (borrowed; a str-keyed lookup runs no code)
     if (found != nullptr || PyErr_Occurred()) {
       PyErr_Clear();
       return false;

@@ -76,6 +76,29 @@ inline const DictUnicodeEntry* unicode_entries(const DictKeys* keys) {
 // other type (a str subclass too) makes the table "general", where a lookup calls the stored key's __eq__,
 // which may change or free anything, the dict being read included.
 inline bool str_keyed(PyObject* dict) { return keys_of(dict)->dk_kind != 0; }
+
+// Where an object of a managed-dict class (CPython 3.11 and 3.12) keeps its attributes, read without making
+// anything (CPython's own _PyObject_GetDictPtr makes a dict from inline values, an allocation that may run the
+// collector, and with it any finalizer): its materialized dict, or else its inline values (either may be
+// nullptr; both for an object of another class). The words before the object, as pycore_object.h reads them:
+// 3.11 keeps the dict at -3 and the values at -4; 3.12 either at -3, the values stored one byte before their
+// (aligned) address, so that the low bit tells them from a dict (_PyDictOrValues_SetValues stores values - 1,
+// _PyDictOrValues_GetValues reads it + 1).
+struct Attributes {
+  PyObject* dict = nullptr;
+  const void* values = nullptr;
+};
+inline Attributes attributes_of(PyObject* o) {
+  if (o == nullptr || !PyType_HasFeature(Py_TYPE(o), Py_TPFLAGS_MANAGED_DICT)) return {};
+  const uintptr_t* words = reinterpret_cast<const uintptr_t*>(o);
+#if PY_VERSION_HEX < 0x030C0000
+  return {reinterpret_cast<PyObject*>(words[-3]), reinterpret_cast<const void*>(words[-4])};
+#else
+  const uintptr_t w = words[-3];
+  if (w & 1) return {nullptr, reinterpret_cast<const void*>(w + 1)};
+  return {reinterpret_cast<PyObject*>(w), nullptr};
+#endif
+}
 #endif
 
 // A vector sized ahead for the most it could hold (its untouched pages cost nothing), cut down to what it holds
