@@ -221,12 +221,7 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
 
     def checks() -> None:  # what offload, then reload, asks of the cached target before a byte moves
         for _ in range(2):
-            # (A plain module's, through its recorded traversal where this version offers one, as the calls do.)
-            traversal = (adapters.recorded_traversal(target, False)
-                         if hasattr(adapters, "recorded_traversal") else None)
-            resolved = plan.resolve_traversal(traversal, hold=True) if traversal is not None else None
-            if resolved is None:
-                resolved = plan.cached(adapters.named_tensors(target), hold=True)
+            resolved = plan.cached(adapters.named_tensors(target), hold=True)
             assert resolved is not None, "the target's plan is not cached"
 
     if hasattr(plan, "cached"):  # (absent in older versions)

@@ -20,7 +20,7 @@ from . import overlap as _overlap
 from . import plan as _plan
 from . import registry as _registry
 from ._errors import OffloadError
-from .adapters import gradient_tensors, named_tensors, recorded_traversal, shard_info
+from .adapters import gradient_tensors, named_tensors, shard_info
 from .arena import Arena, Region, default_arena, wait_for
 from .overlap import join
 from .registry import Offloaded as _Offloaded
@@ -48,13 +48,8 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
     storages (offload) or keeps them alive past its return (an overlapped snapshot): a cached plan's check
     holds them for it. bump_if: resolve()'s (a cached plan it accepts has its versions bumped by its check).
     """
-    resolved = None
-    traversal = recorded_traversal(target, include_grads)
-    if traversal is not None:  # a plain module's cached plan, checked in one call through its recorded traversal
-        resolved = _plan.resolve_traversal(traversal, hold=hold, bump_if=bump_if)
-    if resolved is None:
-        resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
-                                 shard_info=lambda: shard_info(target), hold=hold, bump_if=bump_if)
+    resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
+                             shard_info=lambda: shard_info(target), hold=hold, bump_if=bump_if)
     _refuse_offloaded(resolved, op)
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
@@ -167,7 +162,7 @@ def snapshot(target: Any, *, include_grads: bool = False, arena: Optional[Arena]
             snap.free()
             raise
     _log_rate("snapshot", layout.nbytes, start, layout.num_tensors, layout.num_storages, not events)
-    snap._dtensor_specs = resolved.dtensor_specs()  # for Snapshot.state_dict() (DTensors wrapped again)
+    snap._dtensor_specs = resolved.plan.dtensor_specs(resolved.wrapped)  # for Snapshot.state_dict() (DTensors wrapped again)
     if isinstance(target, torch.nn.Module):  # for save_state_dict: which names its state_dict() has
         snap._source = weakref.ref(target)
     return snap
@@ -558,11 +553,6 @@ def _state_to_reload(target: Any) -> Optional[_plan.Resolved]:
     _plan_to_reload with the gradients."""
     if _registry.others_hold_grads(None):  # (an offload with grads="copy", or of a gradient's own target)
         return None
-    traversal = recorded_traversal(target, False)
-    if traversal is not None:  # (a plain module, its plan checked in one call through its recorded traversal)
-        resolved = _plan.resolve_traversal(traversal, hold=True, accept=_reloadable)
-        if resolved is not None:
-            return resolved
     return _plan.cached(named_tensors(target), hold=True, accept=_reloadable)
 
 

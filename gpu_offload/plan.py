@@ -17,7 +17,6 @@ import contextvars
 import itertools
 import logging
 import operator
-import sys
 import time
 import weakref
 from collections import OrderedDict
@@ -655,17 +654,12 @@ class TargetPlan:
 class Resolved:
     """A target read for one call: its plan, its tensors, and (lazily) its live storages."""
 
-    def __init__(self, plan: TargetPlan, tensors: Optional[list[torch.Tensor]],
-                 storages: Optional[list[torch.UntypedStorage]], hit: bool, held: Any = None, bumped: bool = False,
-                 wrapped: Optional[list[torch.Tensor]] = None,
-                 read: Optional[Callable[[], list[torch.Tensor]]] = None) -> None:
+    def __init__(self, plan: TargetPlan, tensors: list[torch.Tensor], storages: Optional[list[torch.UntypedStorage]],
+                 hit: bool, held: Any = None, bumped: bool = False,
+                 wrapped: Optional[list[torch.Tensor]] = None) -> None:
         self.plan = plan
-        # The tensors (plain: a DTensor's local tensor) and the tensors as the target gives them (None: the
-        # plain ones), or both None until asked for: then `read()` gives the target's (a plan checked through a
-        # recorded traversal, see resolve_traversal()).
-        self._tensors = tensors
-        self._wrapped = wrapped
-        self._read = read
+        self.tensors = tensors  # (plain: a DTensor's local tensor)
+        self.wrapped = wrapped if wrapped is not None else tensors  # (as the target gives them)
         self._storages = storages
         self.hit = hit
         # The live storages as the check found them, held for this call's resize and watch (resolve(hold=True)
@@ -675,31 +669,8 @@ class Resolved:
         self.bumped = bumped
 
     @property
-    def tensors(self) -> list[torch.Tensor]:
-        if self._tensors is None:
-            self._read_now()
-        return self._tensors  # type: ignore[return-value]
-
-    @property
-    def wrapped(self) -> list[torch.Tensor]:
-        if self._tensors is None:
-            self._read_now()
-        return self._wrapped if self._wrapped is not None else self._tensors  # type: ignore[return-value]
-
-    def _read_now(self) -> None:
-        # (The traversal's read refuses a module changed since the check: unchanged, it holds the very tensors
-        # the check passed, wrappers included.)
-        given = self._read()  # type: ignore[misc]
-        self._tensors, self._wrapped = _plain(given), given
-
-    @property
     def layout(self) -> Layout:
         return self.plan.layout
-
-    def dtensor_specs(self) -> dict[str, Any]:
-        """The plan's DTensor specs by name, the tensors read only where the plan has not read them yet."""
-        specs = self.plan._dtensor_specs
-        return specs if specs is not None else self.plan.dtensor_specs(self.wrapped)
 
     def storages(self) -> list[torch.UntypedStorage]:
         if self._storages is None:
@@ -845,10 +816,6 @@ class _ViewCheck:
 
 
 _cache: "OrderedDict[tuple[Any, ...], TargetPlan]" = OrderedDict()
-# The cache keys of the last plans of wrappers (DTensors) recorded by the helper, by (number, id of the first
-# wrapper, id of the last): a recorded traversal knows its wrappers, and a plan is keyed by their local tensors
-# (resolve_traversal). A key found here is only a lead: the plan under it is checked like any other.
-_wrapped_keys: dict[tuple[int, int, int], tuple[Any, ...]] = {}
 _cache_lock = _fork.new_lock()
 # Keys of plans one of whose tensors died (weakref callbacks, which may run inside any allocation, only
 # append here; the cache itself is pruned at the next lookup, under the lock).
@@ -921,50 +888,6 @@ def resolve(named: Sequence[tuple[str, torch.Tensor]], nbytes_of: Optional[dict[
                      "a new or changed" if nbytes_of is None else "an offloaded", len(tensors),
                      bound.layout.num_storages, (time.perf_counter() - start) * 1e3)
     return Resolved(plan, plain, bound.storages_read, False, wrapped=tensors)
-
-
-def resolve_traversal(traversal: Any, hold: bool = False, accept: Optional[Callable[[TargetPlan], bool]] = None,
-                      bump_if: Optional[Callable[[TargetPlan], bool]] = None) -> Optional[Resolved]:
-    """The cached plan of a module, checked through its recorded traversal (adapters.RecordedTraversal) in one
-    call that reads the tensors where the module holds them: a cache hit as resolve() or cached() answers it,
-    or None for anything else (the caller resolves the usual way): no such plan, a plan of another target,
-    one an offload released, one `accept` refuses, a changed module or tensor.
-
-    Without `hold`, the tensors are never put in a list (Resolved.tensors reads them again if asked: a
-    cached restore or snapshot never does); with it, the lists are made in the check's own call, next to the
-    storages it holds. hold, accept, bump_if: as resolve()'s and cached()'s."""
-    ends = traversal.key() if _ext is not None else None
-    if ends is None:
-        return None
-    with _cache_lock:
-        _prune()
-        # (A plan of wrappers is cached under its local tensors' ends: found by its wrappers' here.)
-        plan = _cache.get(_wrapped_keys.get(ends) if traversal.wrapped else ("record", *ends))
-    # (A plan released and not offloaded is only ever resolved afresh; see resolve().)
-    if (plan is None or plan.record is None or (plan.wrapper_ids is not None) != traversal.wrapped
-            or (plan.released and plan.offloaded is None) or (accept is not None and not accept(plan))
-            or not plan._same_names(traversal.names)):
-        return None
-    bump = not hold and bump_if is not None and bump_if(plan)
-    found = None
-    try:
-        if hold:
-            found = traversal.check_held(plan.record, plan.wrapper_ids)
-            ok = found is not None
-        else:
-            ok = traversal.check(plan.record, bump, plan.wrapper_ids)
-    except Exception:  # (as _checked: the usual path says what is wrong)
-        return None
-    if not ok:
-        return None
-    with _cache_lock:
-        if _cache.get(plan.key) is plan:
-            _cache.move_to_end(plan.key)
-    _stats["hits"] += 1
-    if found is not None:
-        held, tensors, wrapped = found
-        return Resolved(plan, tensors, None, True, held, wrapped=wrapped)
-    return Resolved(plan, None, None, True, bumped=bump, read=traversal.tensors)
 
 
 def lookup(names: list[str], tensors: list[torch.Tensor]) -> Optional[TargetPlan]:
@@ -1199,14 +1122,6 @@ def _cache_plan(plan: TargetPlan) -> None:
         _cache[plan.key] = plan
         while len(_cache) > _MAX_CACHED:
             _cache.popitem(last=False)
-        ids = plan.wrapper_ids
-        if plan.record is not None and type(ids) is bytes and ids:  # (an FSDP2 root's: see resolve_traversal)
-            n, word = len(plan.names), len(ids) // len(plan.names)
-            ends = (n, int.from_bytes(ids[:word], sys.byteorder), int.from_bytes(ids[-word:], sys.byteorder))
-            _wrapped_keys.pop(ends, None)
-            _wrapped_keys[ends] = plan.key
-            while len(_wrapped_keys) > _MAX_CACHED:
-                del _wrapped_keys[next(iter(_wrapped_keys))]
 
 
 def cache_info() -> dict[str, int]:
@@ -1219,5 +1134,4 @@ def cache_info() -> dict[str, int]:
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
-        _wrapped_keys.clear()
         _retired.clear()

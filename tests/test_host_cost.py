@@ -674,150 +674,6 @@ def test_a_storage_refilled_at_the_same_address_and_size_is_the_same_storage(are
     _snapshot_matches(target, arena)
 
 
-# -- a plain module's cached plan, checked through its recorded traversal (no list of its tensors) --------------
-def _through_traversal(monkeypatch) -> list[bool]:
-    """Whether each resolve_traversal() the engine's calls make from here on answered a hit."""
-    seen: list[bool] = []
-    real = plan.resolve_traversal
-
-    def spy(*args, **kwargs):
-        found = real(*args, **kwargs)
-        seen.append(found is not None)
-        return found
-
-    monkeypatch.setattr(plan, "resolve_traversal", spy)
-    return seen
-
-
-def _warmed_model_of_helper(arena, checks) -> torch.nn.Module:
-    """A _model() with its plan cached, where the helper records it and its traversal (else the test is
-    skipped)."""
-    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
-        pytest.skip("the recorded traversal needs the helper (and Python 3.11/3.12)")
-    m = _model()
-    _warm(m, arena)
-    return m
-
-
-@needs_ext
-@pytest.mark.parametrize("change", TENSOR_CHANGES + MODULE_CHANGES,
-                         ids=[c.__name__.lstrip("_") for c in TENSOR_CHANGES + MODULE_CHANGES])
-def test_a_plan_checked_through_the_traversal_is_never_served_stale(arena, monkeypatch, checks, change):
-    # The shortcut: a cached snapshot, restore, offload or reload of a plain module checks the tensors where its
-    # walk finds them, in one call. Each change a user can make is seen by it: the next call is no hit there,
-    # and reads the module as it is now.
-    m = _warmed_model_of_helper(arena, checks)
-    seen = _through_traversal(monkeypatch)
-    go.snapshot(m, arena=arena).free()
-    assert seen == [True]  # (the unchanged module: a hit through it)
-    target = m[0].inner.weight if change in TENSOR_CHANGES else m
-    patcher = change(target)
-    if patcher is not None:
-        patcher(monkeypatch)
-    seen.clear()
-    snap = go.snapshot(m, arena=arena).wait()  # (the first read since the change: the record not made anew yet)
-    assert seen == [False] or change in (_train_mode, _swap_out_and_back)  # (those two change nothing read)
-    truth = [(n, t.detach().clone()) for n, t in plain_module_tensors(m, include_grads=False)]
-    assert list(snap.tensors()) == [n for n, _ in truth]
-    for name, t in truth:
-        assert_bitwise_equal(snap.tensors()[name], t)
-    snap.free()
-    _snapshot_matches(m, arena)
-    snap = go.snapshot(m, arena=arena).wait()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(1)
-    go.restore(m, snap)  # (a hit through the traversal again, on the module as it is now)
-    for name, t in named_tensors(m):
-        assert_bitwise_equal(t.detach(), snap.tensors()[name])
-    snap.free()
-    go.offload(m, arena=arena)
-    go.reload(m)
-    _snapshot_matches(m, arena)
-
-
-@needs_ext
-def test_the_traversal_check_agrees_with_the_lists_and_bumps_only_what_passes(arena, checks):
-    m = _warmed_model_of_helper(arena, checks)
-    traversal = adapters.recorded_traversal(m, False)
-    assert traversal is not None and adapters.recorded_traversal(m, True) is None  # (gradients: read in a list)
-    resolved = plan.resolve(named_tensors(m))
-    record = resolved.plan.record
-    tensors = list(resolved.tensors)
-    assert traversal.key() == (len(tensors), id(tensors[0]), id(tensors[-1]))
-    versions = [t._version for t in tensors]
-    assert traversal.check(record, bump=True) and record.check(tensors)
-    assert [t._version for t in tensors] == [v + 1 for v in versions]  # each bumped once
-    held, listed, wrappers = traversal.check_held(record)
-    assert held.num_held == len(resolved.plan.live) and [id(t) for t in listed] == [id(t) for t in tensors]
-    assert wrappers is None
-    # A tensor changed: both refuse, and the bump touches no tensor.
-    m[1].experts[2].weight.data = torch.randn(2, 2)
-    versions = [t._version for t in tensors]
-    assert not traversal.check(record, bump=True) and not record.check(tensors)
-    assert traversal.check_held(record) is None
-    assert [t._version for t in tensors] == versions
-    # The module changed: refused before any tensor is read.
-    m[1].experts[2].weight = torch.nn.Parameter(torch.randn(2, 2))
-    assert not traversal.check(record, bump=False) and traversal.check_held(record) is None
-
-
-@needs_ext
-def test_the_traversal_check_refuses_a_parameter_zero3_converted_while_deepspeed_is_imported(arena, checks,
-                                                                                          monkeypatch):
-    # ZeRO-3 converts a parameter in place (its attributes; the module's dicts do not change): while DeepSpeed is
-    # imported, the usual read asks hasattr(p, "ds_tensor") of every parameter, and so does the check.
-    import types
-
-    m = _warmed_model_of_helper(arena, checks)
-    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
-    traversal = adapters.recorded_traversal(m, False)
-    record = plan.resolve(named_tensors(m)).plan.record
-    assert traversal.check(record, False)
-    weight = m[1].experts[2].weight
-    weight.__dict__["other_attribute"] = 1  # (its attributes in a dict of its own: read there)
-    weight.ds_tensor = torch.empty(0)
-    assert traversal.check(record, False)  # (DeepSpeed not imported: not asked, as the usual read does not)
-    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
-    assert hasattr(weight, "ds_tensor")  # (what the usual read asks)
-    assert not traversal.check(record, False) and traversal.check_held(record) is None
-    assert plan.resolve_traversal(adapters.recorded_traversal(m, False)) is None
-    del weight.ds_tensor
-    assert traversal.check(record, False) and traversal.check_held(record) is not None
-    # A parameter of a class that has the name: not told without Python code, so refused.
-    monkeypatch.setattr(torch.nn.Parameter, "ds_tensor", None, raising=False)
-    assert not traversal.check(record, False)
-
-
-@needs_ext
-def test_tensors_a_traversal_hit_reads_later_are_the_modules_or_an_error(arena, checks):
-    m = _warmed_model_of_helper(arena, checks)
-    resolved = plan.resolve_traversal(adapters.recorded_traversal(m, False))
-    assert resolved is not None and resolved.hit and resolved.dtensor_specs() == {}
-    assert [id(t) for t in resolved.tensors] == [id(t) for t in named_tensors(m).tensors]
-    # Changed between the check and the read (another thread): the read refuses, it never answers stale tensors.
-    resolved = plan.resolve_traversal(adapters.recorded_traversal(m, False))
-    m[0].inner.weight = torch.nn.Parameter(torch.randn(2, 3))
-    with pytest.raises(go.OffloadError, match="changed"):
-        resolved.tensors
-
-
-@needs_ext
-def test_a_restore_with_verify_through_the_traversal_bumps_once(arena, checks, monkeypatch):
-    if checks != "helper" or not torch_ext.ext.MODULE_TREE:
-        pytest.skip("the recorded traversal needs the helper (and Python 3.11/3.12)")
-    # restore(verify=True) bumps after its check (not in it): the tensors are read again for it.
-    m = _model()
-    snap = go.snapshot(m, arena=arena, checksum=True).wait()
-    go.snapshot(m, arena=arena).free()
-    seen = _through_traversal(monkeypatch)
-    versions = [t._version for t in named_tensors(m).tensors]
-    go.restore(m, snap, verify=True)
-    assert seen == [True]
-    assert [t._version for t in named_tensors(m).tensors] == [v + 1 for v in versions]
-    snap.free()
-
-
 # -- a flat dict read in one pass --------------------------------------------------------------------------
 class MyTensor(torch.Tensor):
     pass
@@ -1526,25 +1382,17 @@ def test_a_reload_looks_for_gradients_another_offload_holds(arena, monkeypatch):
 
 
 def _reads(monkeypatch) -> list[bool]:
-    """The include_grads of every read of a target the engine's calls make from here on: named_tensors(), or
-    a recorded traversal offered for a cached plan's check (which reads no gradients)."""
+    """The include_grads of every read of a target the engine's calls make from here on."""
     import gpu_offload.api as api
 
     seen: list[bool] = []
-    real, real_traversal = api.named_tensors, api.recorded_traversal
+    real = api.named_tensors
 
     def spy(target, **kw):
         seen.append(kw.get("include_grads", False))
         return real(target, **kw)
 
-    def spy_traversal(target, include_grads):
-        found = real_traversal(target, include_grads)
-        if found is not None:
-            seen.append(include_grads)
-        return found
-
     monkeypatch.setattr(api, "named_tensors", spy)
-    monkeypatch.setattr(api, "recorded_traversal", spy_traversal)
     return seen
 
 

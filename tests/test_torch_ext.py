@@ -304,3 +304,73 @@ def test_the_shared_keys_layout_probe_passes_where_the_traversal_record_runs():
     # fails every walk looks its dicts up instead. Where the record runs at all, the probe must pass: a
     # failure here means a CPython whose layout the reads do not know.
     assert torch_ext.ext.SHARED_KEYS == bool(torch_ext.ext.MODULE_TREE)
+
+
+# -- any_attribute: hasattr over many tensors, read where each keeps its attributes --------------------------
+class _Lookup(torch.nn.Parameter):
+    def __getattr__(self, name):  # (reads attributes its own way: hasattr may call it)
+        raise AttributeError(name)
+
+
+@needs_ext
+def test_any_attribute_answers_what_hasattr_answers_or_declines():
+    ext = torch_ext.ext
+
+    def fresh(n=6):
+        return [torch.nn.Parameter(torch.ones(2)) for _ in range(n)]
+
+    def agrees(ts, count, name="ds_tensor"):
+        got = ext.any_attribute(ts, count, name)
+        want = any(hasattr(t, name) for t in ts[:count])
+        assert got is None or got == want, (got, want)
+        return got
+
+    ts = fresh()
+    assert agrees(ts, 6) is False
+    ts[1].other = 1  # (another attribute, kept inline or in a dict)
+    assert agrees(ts, 6) is False
+    ts[4].__dict__["ds_tensor"] = torch.empty(0)  # (in a dict of its own)
+    assert agrees(ts, 6) is True and agrees(ts, 4) is False  # (only the first `count` are asked)
+    del ts[4].__dict__["ds_tensor"]
+    assert agrees(ts, 6) is False
+    ts[2].ds_tensor = torch.empty(0)  # (wherever CPython keeps it: True, or declined)
+    assert agrees(ts, 6) in (True, None)
+    later = fresh(3)  # (the class's shared keys may list the name now: declined or False, never wrong)
+    later[0].other = 1
+    agrees(later, 3)
+    assert ext.any_attribute(fresh(2) + ["not a tensor"], 3, "ds_tensor") is None
+    assert ext.any_attribute([_Lookup(torch.ones(1))], 1, "ds_tensor") is None  # (its own __getattr__)
+    plain = fresh(2)
+    try:
+        torch.nn.Parameter.ds_tensor = None  # (a class attribute: hasattr is True for every one)
+        assert ext.any_attribute(plain, 2, "ds_tensor") is None
+    finally:
+        del torch.nn.Parameter.ds_tensor
+    assert ext.any_attribute(plain, 2, "ds_tensor") is False
+    with pytest.raises(TypeError):
+        ext.any_attribute(plain, 2, b"ds_tensor")
+
+
+@needs_ext
+def test_zero3_conversion_is_asked_in_one_pass_and_answers_as_the_python_read(monkeypatch):
+    import types
+
+    from gpu_offload import adapters
+    from gpu_offload.adapters import deepspeed
+
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    params = list(m.parameters())
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    params[3].ds_tensor = torch.empty(0)
+    assert not adapters._converted_by_zero3(params, 4)  # (DeepSpeed not imported: not asked)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    asked: list[object] = []
+    monkeypatch.setattr(deepspeed, "any_zero3_param", lambda ps: asked.append(ps) or True)
+    told = torch_ext.ext.any_attribute(params, 4, "ds_tensor")  # (None: declined, where CPython keeps it inline)
+    assert adapters._converted_by_zero3(params, 4) and told in (True, None)
+    assert bool(asked) == (told is None)  # (hasattr asked only where the helper declined)
+    asked.clear()
+    assert adapters._converted_by_zero3(params, 3) is (torch_ext.ext.any_attribute(params, 3, "ds_tensor") is None)
+    del params[3].ds_tensor
+    told = torch_ext.ext.any_attribute(params, 4, "ds_tensor")
+    assert told in (False, None) and adapters._converted_by_zero3(params, 4) is (told is None)

@@ -154,14 +154,6 @@ class PlainAttr {
     return dict != nullptr && Py_TYPE(dict) == &PyDict_Type ? dict : nullptr;
   }
 
-  // The keys every instance of a managed-dict class shares while its attributes are inline values (no dict
-  // made for it), or nullptr.
-  static const DictKeys* cached_keys(PyTypeObject* type) {
-    if (!PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE)) return nullptr;
-    const DictKeys* keys = reinterpret_cast<const DictKeys*>(reinterpret_cast<PyHeapTypeObject*>(type)->ht_cached_keys);
-    return keys != nullptr && keys->dk_kind == kDictKeysSplit ? keys : nullptr;
-  }
-
   // The value at the remembered entry of the object's dict, or of its inline values, where that entry holds
   // this very name (borrowed), else nullptr. Only for an object whose type reads it as a plain instance
   // attribute: its dict or values decide then. (Inline values are indexed as the class's shared keys are,

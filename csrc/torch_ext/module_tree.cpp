@@ -825,33 +825,24 @@ bool check_module_tree(const ModuleTree& tree, py::handle root) {
   return walk(const_cast<ModuleTree&>(tree), root.ptr());
 }
 
-// Borrowed objects into a list's first slots, each a new reference (the caller knows them alive: the
-// unchanged dicts of a walk just made hold them).
-static void put_refs(Items from, PyObject** slots) {
-  constexpr Py_ssize_t kAhead = 24;  // (memory-bound: each object's refcount, a few ahead)
-  for (Py_ssize_t i = 0; i < from.size; ++i) {
-    if (i + kAhead < from.size) __builtin_prefetch(from.data[i + kAhead], 1);
-    Py_INCREF(from.data[i]);
-    slots[i] = from.data[i];
+// The recorded tensors into a list's first slots, each a new reference (the unchanged dicts hold them: alive).
+static void put_tensors(const ModuleTree& tree, PyObject** items) {
+  const size_t n = tree.tensors.size();
+  constexpr size_t kAhead = 24;  // (memory-bound: each object's refcount, a few ahead)
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(tree.tensors[i + kAhead], 1);
+    Py_INCREF(tree.tensors[i]);
+    items[i] = tree.tensors[i];
   }
-}
-
-static Items tensors_of(const ModuleTree& tree) {
-  return {const_cast<PyObject**>(tree.tensors.data()), static_cast<Py_ssize_t>(tree.tensors.size())};
-}
-
-// A new list of borrowed objects (put_refs).
-static py::list list_of(Items items) {
-  py::list out(items.size);
-  put_refs(items, reinterpret_cast<PyListObject*>(out.ptr())->ob_item);
-  return out;
 }
 
 // The traversal's tensors, read again from the unchanged dicts (the tree keeps no tensor alive), or None
 // when `root` changed.
 py::object tree_tensors(const ModuleTree& tree, py::handle root) {
   if (!walk(const_cast<ModuleTree&>(tree), root.ptr())) return py::none();
-  return list_of(tensors_of(tree));
+  py::list out(tree.tensors.size());
+  put_tensors(tree, reinterpret_cast<PyListObject*>(out.ptr())->ob_item);
+  return std::move(out);
 }
 
 // The traversal with its gradients, as the Python walk names them with include_grads: the parameters and
@@ -890,7 +881,7 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   }
   py::list out(n + grads.size());
   PyObject** items = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
-  put_refs(tensors_of(tree), items);
+  put_tensors(tree, items);
   for (size_t k = 0; k < grads.size(); ++k) items[n + k] = grads[k].release().ptr();
   if (grads_of.empty()) return py::make_tuple(out, names);
   if (!(tree.base.ptr() == names.ptr() && tree.grads_of == grads_of && tree.names_with_grads)) {
@@ -920,138 +911,10 @@ py::object tree_tensors_with_grads(ModuleTree& tree, py::handle root, py::handle
   return py::make_tuple(out, tree.names_with_grads);
 }
 
-// Whether none of the traversal's parameters carries a `ds_tensor` attribute (what DeepSpeed's ZeRO-3 sets on
-// a parameter it converts, in place: the module's dicts do not show it; hasattr(p, "ds_tensor") over them is
-// what the Python read asks while DeepSpeed is imported). Read where each parameter keeps its attributes,
-// making nothing (attributes_of); false where that cannot be told without Python code or without reading
-// inline values (a class that has the name or reads attributes its own way, attributes kept inline, a
-// __dict__ keyed by more than str): the caller then reads the target the usual way.
-static bool none_converted_by_zero3(const ModuleTree& tree) {
-  static PyObject* name = PyUnicode_InternFromString("ds_tensor");  // (never freed: the interpreter's)
-  PyTypeObject* known = nullptr;
-  constexpr size_t kAhead = 8;  // (each parameter's object: where its attributes are is in the words before it)
-  for (size_t i = 0; i < tree.num_params; ++i) {
-    if (i + kAhead < tree.num_params) {
-      __builtin_prefetch(tree.tensors[i + kAhead]);
-      __builtin_prefetch(reinterpret_cast<const char*>(tree.tensors[i + kAhead]) - 32);
-    }
-    PyObject* param = tree.tensors[i];
-    PyTypeObject* type = Py_TYPE(param);
-    if (type != known) {
-      if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, name) != nullptr) return false;
-      known = type;
-    }
-    PyObject* dict = nullptr;
-    if (PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) {
-      const Attributes a = attributes_of(param);
-      if (a.values != nullptr) return false;
-      dict = a.dict;
-    } else if (PyObject** dict_ptr = _PyObject_GetDictPtr(param)) {  // (no managed dict: a pointer, nothing made)
-      dict = *dict_ptr;
-    }
-    if (dict == nullptr) continue;
-    if (!PyDict_CheckExact(dict) || !str_keyed(dict)) return false;
-    PyObject* found = PyDict_GetItemWithError(dict, name);  // (borrowed; a str-keyed lookup runs no code)
-    if (found != nullptr || PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-  }
-  return true;
-}
-
-// The tensors a record of `root`'s traversal was made of, borrowed, once the walk found the module unchanged
-// (its unchanged dicts hold them, and no Python code runs until the caller is done with them): the
-// traversal's own, or, for a plan of wrappers (`wrapper_ids`: their ids as the plan recorded them, one
-// native word each, as object_ids() gives them), the local tensor of each, where the traversal's tensors are
-// those very wrappers. false where the module changed, or the wrappers are others. `lists`: where not
-// nullptr, the wrappers' and the local tensors' new lists are made in the same pass, while each object's line
-// is at hand (a call that holds the storages keeps them).
-static bool recorded_items(ModuleTree& tree, py::handle root, py::handle wrapper_ids, bool zero3,
-                           std::vector<PyObject*>& locals, Items& items, std::pair<py::list, py::list>* lists) {
-  if (!walk(tree, root.ptr())) return false;
-  if (zero3 && !none_converted_by_zero3(tree)) return false;
-  const size_t n = tree.tensors.size();
-  items = tensors_of(tree);
-  if (wrapper_ids.is_none()) return true;
-  if (!PyBytes_CheckExact(wrapper_ids.ptr()) || static_cast<size_t>(PyBytes_GET_SIZE(wrapper_ids.ptr())) != n * sizeof(PyObject*) ||
-      std::memcmp(PyBytes_AS_STRING(wrapper_ids.ptr()), tree.tensors.data(), n * sizeof(PyObject*)) != 0) {
-    return false;
-  }
-  locals.resize(n);
-  PyObject** wrapped_slots = nullptr;
-  PyObject** local_slots = nullptr;
-  if (lists != nullptr) {  // (a slot left empty by a failure below is nullptr: the list's dealloc skips it)
-    *lists = {py::list(n), py::list(n)};
-    wrapped_slots = reinterpret_cast<PyListObject*>(lists->first.ptr())->ob_item;
-    local_slots = reinterpret_cast<PyListObject*>(lists->second.ptr())->ob_item;
-  }
-  PyTypeObject* known = nullptr;
-  Py_ssize_t offset = -1;
-  constexpr size_t kAhead = 8;  // (each wrapper's object, scattered: its slot is read)
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) __builtin_prefetch(tree.tensors[i + kAhead], 1);  // (its refcount written where lists are made)
-    PyObject* wrapper = tree.tensors[i];
-    PyObject* local = local_of(wrapper, known, offset);
-    if (local == nullptr) return false;
-    locals[i] = local;
-    if (lists != nullptr) {
-      Py_INCREF(wrapper);
-      wrapped_slots[i] = wrapper;
-      Py_INCREF(local);
-      local_slots[i] = local;
-    }
-  }
-  items = Items{locals.data(), static_cast<Py_ssize_t>(n)};
-  return true;
-}
-
-// Whether `root` is unchanged and its tensors pass the record's check (bumped with `bump`), read where the walk
-// just found them: the list tree_tensors() would make is two more passes over the tensors' objects (a new
-// reference each, and each dropped again when it dies), about 1 ms of a cached restore of 65536 parameters.
-bool check_record_through_tree(ModuleTree& tree, py::handle root, const TargetRecord& record, bool bump,
-                               py::handle wrapper_ids, bool zero3) {
-  std::vector<PyObject*> locals;
-  Items items{};
-  return recorded_items(tree, root, wrapper_ids, zero3, locals, items, nullptr) && record.check_items(items, bump);
-}
-
-py::object check_record_held_through_tree(ModuleTree& tree, py::handle root, const TargetRecord& record,
-                                          py::handle wrapper_ids, bool zero3) {
-  std::vector<PyObject*> locals;
-  Items items{};
-  std::pair<py::list, py::list> lists;
-  if (!recorded_items(tree, root, wrapper_ids, zero3, locals, items, &lists)) return py::none();
-  py::object held = record.check_items_held(items);
-  if (held.is_none()) return held;
-  if (wrapper_ids.is_none()) return py::make_tuple(held, list_of(items), py::none());
-  return py::make_tuple(held, lists.second, lists.first);
-}
-
-py::object tree_ends(const ModuleTree& tree) {
-  if (tree.tensors.empty()) return py::none();
-  return py::make_tuple(tree.tensors.size(), reinterpret_cast<uintptr_t>(tree.tensors.front()),
-                        reinterpret_cast<uintptr_t>(tree.tensors.back()));
-}
-
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"),
            "Whether `root` is the module this traversal was recorded from and nothing it depends on changed.")
-      .def("check_record", &check_record_through_tree, py::arg("root"), py::arg("record"), py::arg("bump") = false,
-           py::arg("wrapper_ids") = py::none(), py::arg("zero3") = false,
-           "check() and record.check(tensors, bump) of the traversal's tensors in one call, without a list of them "
-           "(the unchanged dicts hold them): False where either would answer false. wrapper_ids: the record is of "
-           "the local tensors of wrappers (DTensors) whose ids these are (object_ids()): the traversal's tensors "
-           "must be those, and each one's local tensor is checked. zero3: also false where a parameter may carry "
-           "`ds_tensor` (ZeRO-3 converted it).")
-      .def("check_record_held", &check_record_held_through_tree, py::arg("root"), py::arg("record"),
-           py::arg("wrapper_ids") = py::none(), py::arg("zero3") = false,
-           "check_record() holding the live storages: (HeldStorages, the checked tensors, the wrappers or None) "
-           "in new lists, or None where check_record() would be false.")
-      .def_property_readonly("ends", &tree_ends,
-                             "(number of tensors, id of the first, id of the last) as recorded, or None for none: "
-                             "what a plan of them is cached under (valid only while check() holds).")
       .def("tensors", &tree_tensors, py::arg("root"),
            "The traversal's tensors (parameters, then buffers), read from the unchanged module; None if it changed.")
       .def("tensors_with_grads", &tree_tensors_with_grads, py::arg("root"), py::arg("names"),
@@ -1076,12 +939,6 @@ bool check_module_tree(const ModuleTree&, py::handle) { return false; }
 void bind_module_tree(py::module_& m) {
   py::class_<ModuleTree>(m, "ModuleTree")
       .def("check", &check_module_tree, py::arg("root"))
-      .def("check_record", [](const ModuleTree&, py::handle, py::handle, bool, py::handle, bool) { return false; },
-           py::arg("root"), py::arg("record"), py::arg("bump") = false, py::arg("wrapper_ids") = py::none(),
-           py::arg("zero3") = false)
-      .def("check_record_held", [](const ModuleTree&, py::handle, py::handle, py::handle, bool) { return py::none(); },
-           py::arg("root"), py::arg("record"), py::arg("wrapper_ids") = py::none(), py::arg("zero3") = false)
-      .def_property_readonly("ends", [](const ModuleTree&) { return py::none(); })
       .def("tensors", [](const ModuleTree&, py::handle) { return py::none(); }, py::arg("root"))
       .def("tensors_with_grads", [](const ModuleTree&, py::handle, py::handle) { return py::none(); },
            py::arg("root"), py::arg("names"))

@@ -485,21 +485,15 @@ bool TargetRecord::same_storages(const TargetRecord& other) const {
   return true;
 }
 
-bool TargetRecord::same_views(py::handle list) const {
-  return PyList_CheckExact(list.ptr()) && check_impl<false>(items_of(list), nullptr, /*memory=*/false);
-}
+bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(list, nullptr, /*memory=*/false); }
 
 bool TargetRecord::check(py::handle list, bool bump) const {
-  return PyList_CheckExact(list.ptr()) && check_items(items_of(list), bump);
-}
-
-bool TargetRecord::check_items(Items items, bool bump) const {
-  if (!bump) return check_impl<false>(items, nullptr);
+  if (!bump) return check_impl<false>(list, nullptr);
   static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "Counter::object reads VariableVersion's one pointer");
   // Each tensor's version counter, as the check reads its TensorImpl, for the bump once every tensor passed.
   std::vector<Counter> counters;
   counters.reserve(tensors_.size());
-  if (!check_impl<false>(items, nullptr, /*memory=*/true, &counters)) return false;
+  if (!check_impl<false>(list, nullptr, /*memory=*/true, &counters)) return false;
   // Every TensorImpl is the one recorded, alive (its object in `list` holds it) and, the GIL held since the
   // check, still that object's, with the counter it had then. A counter is an object of its own
   // (VariableVersion's one intrusive_ptr) whose address the check read: each is asked for ahead, where a
@@ -519,20 +513,18 @@ bool TargetRecord::check_items(Items items, bool bump) const {
 }
 
 py::object TargetRecord::check_held(py::handle list) const {
-  return PyList_CheckExact(list.ptr()) ? check_items_held(items_of(list)) : py::none();
-}
-
-py::object TargetRecord::check_items_held(Items items) const {
   auto held = std::make_unique<HeldStorages>();
   held->record_id = id_;
   held->refs.reserve(live_.size());
-  if (!check_impl<true>(items, &held->refs)) return py::none();
+  if (!check_impl<true>(list, &held->refs)) return py::none();
   return py::cast(held.release(), py::return_value_policy::take_ownership);
 }
 
 template <bool kHold>
-bool TargetRecord::check_impl(Items items, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory,
+bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory,
                               std::vector<Counter>* counters) const {
+  if (!PyList_CheckExact(list.ptr())) return false;
+  Items items = items_of(list);
   const Py_ssize_t n = items.size;
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
   const int64_t* dims = dims_.data();
@@ -1147,18 +1139,6 @@ py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot)
   return std::move(out);
 }
 
-PyObject* local_of(PyObject* obj, PyTypeObject*& known, Py_ssize_t& offset) {
-  if (plain_tensor(obj)) return obj;
-  if (!is_tensor(obj)) return nullptr;
-  if (Py_TYPE(obj) != known) {  // (a target's wrappers share one class: its slot is found once)
-    known = Py_TYPE(obj);
-    offset = local_tensor_slot(known);
-  }
-  if (offset < 0) return nullptr;
-  PyObject* local = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
-  return local != nullptr && plain_tensor(local) ? local : nullptr;  // (unset, or itself a wrapper)
-}
-
 py::object local_tensors(py::handle list) {
   Items items = items_of(list);
   if (std::all_of(items.data, items.data + items.size, plain_tensor)) {
@@ -1166,13 +1146,23 @@ py::object local_tensors(py::handle list) {
   }
   py::list out(items.size);
   PyObject** slots = reinterpret_cast<PyListObject*>(out.ptr())->ob_item;
+  // (The last class's slot, found again only when the class changes: a target's wrappers share one.)
   PyTypeObject* known = nullptr;
   Py_ssize_t offset = -1;
   for (Py_ssize_t i = 0; i < items.size; ++i) {
-    PyObject* local = local_of(items.data[i], known, offset);
-    if (local == nullptr) return py::none();
-    Py_INCREF(local);
-    slots[i] = local;
+    PyObject* obj = items.data[i];
+    if (!plain_tensor(obj)) {
+      if (!is_tensor(obj)) return py::none();
+      if (Py_TYPE(obj) != known) {
+        known = Py_TYPE(obj);
+        offset = local_tensor_slot(known);
+      }
+      if (offset < 0) return py::none();
+      obj = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+      if (obj == nullptr || !plain_tensor(obj)) return py::none();  // (unset, or itself a wrapper)
+    }
+    Py_INCREF(obj);
+    slots[i] = obj;
   }
   return std::move(out);
 }
@@ -1211,6 +1201,77 @@ py::object data_ptrs_or_zero(py::handle list) {
     slots[i] = value;
   }
   return std::move(out);
+}
+
+// One object's own attribute `name` (interned): 1 present, 0 absent, -1 not told without Python code or a
+// dict made. A materialized __dict__ is looked up where it is str-keyed (such a lookup runs no code); inline
+// values can hold only the keys their class's shared keys table lists, so a name not listed there is absent,
+// and one listed is left to hasattr.
+int own_attribute(PyObject* obj, PyObject* name) {
+  PyObject* dict = nullptr;
+  PyTypeObject* type = Py_TYPE(obj);
+  if (PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) {
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+    const Attributes a = attributes_of(obj);
+    if (a.values != nullptr) {
+      const DictKeys* keys = cached_keys(type);
+      if (keys == nullptr) return -1;
+      const DictUnicodeEntry* entries = unicode_entries(keys);
+      for (Py_ssize_t i = 0; i < keys->dk_nentries; ++i) {
+        PyObject* key = entries[i].me_key;
+        if (key == name || (key != nullptr && PyUnicode_CheckExact(key) && PyUnicode_Compare(key, name) == 0)) return -1;
+      }
+      return 0;
+    }
+    dict = a.dict;
+#else
+    return -1;  // (where the dict or values are is this CPython's own: hasattr asks)
+#endif
+  } else if (PyObject** at = _PyObject_GetDictPtr(obj)) {  // (no managed dict: a pointer, nothing made)
+    dict = *at;
+  }
+  if (dict == nullptr) return 0;
+  if (!PyDict_CheckExact(dict)) return -1;
+#if GPU_OFFLOAD_DICT_VERSION_TAGS
+  if (!str_keyed(dict)) return -1;
+#else
+  return -1;
+#endif
+  PyObject* found = PyDict_GetItemWithError(dict, name);  // (borrowed)
+  if (found == nullptr && PyErr_Occurred()) {
+    PyErr_Clear();
+    return -1;
+  }
+  return found != nullptr;
+}
+
+py::object any_attribute(py::handle list, Py_ssize_t count, py::handle name) {
+  Items items = items_of(list);
+  if (!PyUnicode_CheckExact(name.ptr())) throw py::type_error("any_attribute: name must be a str");
+  py::str interned = py::reinterpret_borrow<py::str>(name);
+  PyUnicode_InternInPlace(&interned.ptr());
+  if (count > items.size) count = items.size;
+  PyTypeObject* known = nullptr;  // (the last class found plain for the name: a target's tensors share a few)
+  constexpr Py_ssize_t kObjectsAhead = 8;  // (each object's header and the words before it)
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    if (i + kObjectsAhead < count) {
+      __builtin_prefetch(items.data[i + kObjectsAhead]);
+      __builtin_prefetch(reinterpret_cast<const char*>(items.data[i + kObjectsAhead]) - 32);
+    }
+    PyObject* obj = items.data[i];
+    PyTypeObject* type = Py_TYPE(obj);
+    if (type != known) {
+      if (!is_tensor(obj) || type->tp_getattro != PyObject_GenericGetAttr ||
+          _PyType_Lookup(type, interned.ptr()) != nullptr) {
+        return py::none();
+      }
+      known = type;
+    }
+    const int found = own_attribute(obj, interned.ptr());
+    if (found < 0) return py::none();
+    if (found > 0) return py::bool_(true);
+  }
+  return py::bool_(false);
 }
 
 // Whether any of the first `count` tensors has a .grad (a module's parameters: their grads join the target

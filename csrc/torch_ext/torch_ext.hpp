@@ -78,12 +78,11 @@ inline const DictUnicodeEntry* unicode_entries(const DictKeys* keys) {
 inline bool str_keyed(PyObject* dict) { return keys_of(dict)->dk_kind != 0; }
 
 // Where an object of a managed-dict class (CPython 3.11 and 3.12) keeps its attributes, read without making
-// anything (CPython's own _PyObject_GetDictPtr makes a dict from inline values, an allocation that may run the
-// collector, and with it any finalizer): its materialized dict, or else its inline values (either may be
-// nullptr; both for an object of another class). The words before the object, as pycore_object.h reads them:
-// 3.11 keeps the dict at -3 and the values at -4; 3.12 either at -3, the values stored one byte before their
-// (aligned) address, so that the low bit tells them from a dict (_PyDictOrValues_SetValues stores values - 1,
-// _PyDictOrValues_GetValues reads it + 1).
+// anything (CPython's own _PyObject_GetDictPtr makes a dict from inline values: an allocation): its
+// materialized dict, or else its inline values (either may be nullptr; both for an object of another class).
+// The words before the object, as pycore_object.h reads them: 3.11 keeps the dict at -3 and the values at -4;
+// 3.12 either at -3, the values stored one byte before their (aligned) address, so that the low bit tells them
+// from a dict (_PyDictOrValues_SetValues stores values - 1, _PyDictOrValues_GetValues reads it + 1).
 struct Attributes {
   PyObject* dict = nullptr;
   const void* values = nullptr;
@@ -98,6 +97,14 @@ inline Attributes attributes_of(PyObject* o) {
   if (w & 1) return {nullptr, reinterpret_cast<const void*>(w + 1)};
   return {reinterpret_cast<PyObject*>(w), nullptr};
 #endif
+}
+
+// The keys every instance of a managed-dict class shares while its attributes are inline values (no dict made
+// for it), or nullptr.
+inline const DictKeys* cached_keys(PyTypeObject* type) {
+  if (!PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE)) return nullptr;
+  const DictKeys* keys = reinterpret_cast<const DictKeys*>(reinterpret_cast<PyHeapTypeObject*>(type)->ht_cached_keys);
+  return keys != nullptr && keys->dk_kind == kDictKeysSplit ? keys : nullptr;
 }
 #endif
 
@@ -201,8 +208,6 @@ class TargetRecord {
   // does (torch.autograd.graph.increment_version): through the TensorImpls just found to be the list's, in
   // the same call (nothing else runs in between), without reading each tensor's object again.
   bool check(py::handle list, bool bump = false) const;
-  // check() of borrowed items (the caller keeps each alive, e.g. the unchanged dicts of a recorded traversal).
-  bool check_items(Items items, bool bump = false) const;
   // check() without the storages' memory and sizes: the same tensor objects on the same storages (StorageImpls),
   // viewing them the same way (shape, strides, offset, dtype), whatever their storages hold now.
   bool same_views(py::handle list) const;
@@ -219,7 +224,6 @@ class TargetRecord {
   // The same check, holding the live storages for resize_live and watch_live: a HeldStorages, or None
   // where check() would answer false.
   py::object check_held(py::handle list) const;
-  py::object check_items_held(Items items) const;  // check_held() of borrowed items (as check_items())
   // Re-reads every storage's memory, size, device and resizability (after the caller resized them);
   // false (nothing read) when `list` is not the recorded tensors on the recorded storages.
   bool refresh(py::handle list);
@@ -295,7 +299,7 @@ class TargetRecord {
   };
   // counters: where not nullptr, each checked tensor's Counter (none for an inference tensor), in order.
   template <bool kHold>
-  bool check_impl(Items items, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
+  bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
                   std::vector<Counter>* counters = nullptr) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
   // `held` when it is this record's unspent HeldStorages, all of whose storages it still holds (`from`: or
@@ -354,6 +358,10 @@ void resize_storages(py::handle storages, const std::vector<int64_t>& nbytes, bo
 int64_t num_cpu_blocks();
 py::object plain_items(py::handle mapping, py::handle names);
 bool any_grad(py::handle list, Py_ssize_t count);
+// Whether any of the first `count` tensors has an instance attribute `name` (what hasattr() finds for an
+// object whose class neither has the name nor reads attributes its own way): True or False, or None where
+// that cannot be told without Python code (the caller then asks hasattr()).
+py::object any_attribute(py::handle list, Py_ssize_t count, py::handle name);
 // data_ptr() of each plain tensor or UntypedStorage of a list, 0 for one whose storage holds no memory (an
 // offloaded one, which refuses access in Python), without a Python call or an exception per item; None where
 // an item is anything else (the caller's Python loop decides).
@@ -363,10 +371,6 @@ void bump_versions(py::handle list);
 // DTensor) replaced by it; the list itself where every item is a plain tensor; None where an item is
 // anything else (the caller's Python path decides).
 py::object local_tensors(py::handle list);
-// The tensor holding a target item's data (local_tensors()' for one item): a plain tensor itself, a wrapper's
-// `_local_tensor` slot where that holds a plain tensor, else nullptr. Borrowed (the item holds it). `known`
-// and `offset`: the last class asked about and its slot, carried from item to item.
-PyObject* local_of(PyObject* obj, PyTypeObject*& known, Py_ssize_t& offset);
 // {name: t.<slot>} of each tensor that is not a plain one and has the slot set ({n: t._spec for a DTensor}), read
 // from the class's member slot; None where such a class keeps no plain slot of that name.
 py::object wrapper_slots(py::handle names, py::handle tensors, const char* slot);

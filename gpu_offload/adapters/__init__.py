@@ -284,66 +284,6 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
 
 
-class RecordedTraversal:
-    """A module's recorded traversal, offered for a cached plan's check without its tensors in a list: the
-    check walks the module and checks the tensors where the walk finds them, in one call (the list, a new
-    reference to every tensor and each dropped again, costs about 10% of a cached restore of 65536
-    parameters). Answers nothing true unless its check passes: `names` and `key()` are the record's, and a
-    changed module fails the check, after which the caller reads the target the usual way. `wrapped`: an
-    FSDP2 root's, whose tensors are DTensors (the plan is of their local tensors). While DeepSpeed is imported
-    the check also refuses a module any of whose parameters ZeRO-3 converted, as the usual read asks."""
-
-    __slots__ = ("names", "wrapped", "_tree", "_module")
-
-    def __init__(self, tree: Any, names: list[str], module: torch.nn.Module, wrapped: bool = False) -> None:
-        self.names = names
-        self.wrapped = wrapped
-        self._tree = tree
-        self._module = module
-
-    def key(self) -> Optional[tuple[int, int, int]]:
-        """(number of tensors, id of the first, id of the last) as recorded (the wrappers' where `wrapped`),
-        or None for a module of none."""
-        return self._tree.ends
-
-    def check(self, record: Any, bump: bool, wrapper_ids: Any = None) -> bool:
-        """Whether the module is unchanged and its tensors (their local tensors, where `wrapper_ids` are the
-        ids of the wrappers the plan was made of) pass `record`'s check, bumped with `bump`."""
-        return bool(self._tree.check_record(self._module, record, bump, wrapper_ids, "deepspeed" in sys.modules))
-
-    def check_held(self, record: Any, wrapper_ids: Any = None) -> Optional[tuple[Any, list[torch.Tensor], Any]]:
-        """check() holding the live storages: (record.check_held's HeldStorages, the checked tensors, the
-        wrappers or None) in lists made in the same call (a call that holds them resizes or watches them,
-        and its undo reaches them through the list); None where check() would be false."""
-        return self._tree.check_record_held(self._module, record, wrapper_ids, "deepspeed" in sys.modules)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors as the target gives them (the wrappers where `wrapped`), read again from the module
-        (for a call that needs them after the check)."""
-        tensors = self._tree.tensors(self._module)
-        if tensors is None:
-            raise OffloadError(f"{type(self._module).__qualname__} changed (a parameter, buffer or submodule "
-                               "set) while a gpu_offload call on it ran: another thread?")
-        return tensors
-
-
-def recorded_traversal(target: Any, include_grads: bool) -> Optional[RecordedTraversal]:
-    """The recorded traversal of a plain module or FSDP2 root target (named_tensors() with include_grads=False
-    would read it), else None: anything else, or no record yet. An FSDP2 root's idle unsharded groups are
-    resharded first, as that read does."""
-    if include_grads or _ext is None or not _ext.MODULE_TREE or not isinstance(target, torch.nn.Module):
-        return None
-    if fsdp.is_fsdp2_root(target):
-        fsdp2_entry = _fsdp2_trees.get(target)
-        groups = fsdp.live_groups(fsdp2_entry[3]) if fsdp2_entry is not None else None
-        if groups is None:
-            return None
-        fsdp.reshard_idle(groups)  # (before the check: an unsharded group's slots hold other tensors)
-        return RecordedTraversal(fsdp2_entry[0], fsdp2_entry[1], target, wrapped=True)
-    entry = _trees.get(target)
-    return RecordedTraversal(entry[0], entry[1], target) if entry is not None else None
-
-
 # An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
 # are the DTensors FSDP2 registers while sharded, under their own names, then the buffers: a plain module's
 # traversal, which the record's is checked to be when it is made. FSDP2 swaps each parameter's slot out and
@@ -583,8 +523,15 @@ def _recorded_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Na
 def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:
     """Whether ZeRO-3 converted any of a record's parameters (its first num_params tensors). ZeRO-3 converts
     them in place (their attributes, not the modules' dicts that the record covers): this is what
-    is_zero3_module asks, in one C-level pass."""
-    return "deepspeed" in sys.modules and deepspeed.any_zero3_param(itertools.islice(tensors, num_params))
+    is_zero3_module asks. In one C++ pass where the helper can tell (65536 parameters: about 3 ms of hasattr
+    calls in a process that imported DeepSpeed, as OpenRLHF's do), else in one C-level pass of hasattr."""
+    if "deepspeed" not in sys.modules:
+        return False
+    if _ext is not None and type(tensors) is list:
+        found = _ext.any_attribute(tensors, num_params, "ds_tensor")
+        if found is not None:
+            return bool(found)
+    return deepspeed.any_zero3_param(itertools.islice(tensors, num_params))
 
 
 def _recorded_strategy(obj: Any) -> Optional[Strategy]:
