@@ -306,14 +306,22 @@ def test_the_shared_keys_layout_probe_passes_where_the_traversal_record_runs():
     assert torch_ext.ext.SHARED_KEYS == bool(torch_ext.ext.MODULE_TREE)
 
 
-# -- any_attribute: hasattr over many tensors, read where each keeps its attributes --------------------------
+# -- any_attribute: hasattr over many objects in one pass ---------------------------------------------------
 class _Lookup(torch.nn.Parameter):
-    def __getattr__(self, name):  # (reads attributes its own way: hasattr may call it)
+    def __getattr__(self, name):  # (reads attributes its own way: hasattr calls it)
+        if name == "ds_tensor" and getattr(self, "answer", False):
+            return 1
         raise AttributeError(name)
 
 
+class _Raises(torch.nn.Parameter):
+    @property
+    def ds_tensor(self):  # (an error other than AttributeError: hasattr lets it through)
+        raise KeyError("ds_tensor")
+
+
 @needs_ext
-def test_any_attribute_answers_what_hasattr_answers_or_declines():
+def test_any_attribute_answers_what_hasattr_answers():
     ext = torch_ext.ext
 
     def fresh(n=6):
@@ -321,34 +329,54 @@ def test_any_attribute_answers_what_hasattr_answers_or_declines():
 
     def agrees(ts, count, name="ds_tensor"):
         got = ext.any_attribute(ts, count, name)
-        want = any(hasattr(t, name) for t in ts[:count])
-        assert got is None or got == want, (got, want)
+        assert got is any(hasattr(t, name) for t in ts[:count]), got
         return got
 
     ts = fresh()
     assert agrees(ts, 6) is False
-    ts[1].other = 1  # (another attribute, kept inline or in a dict)
+    ts[1].other = 1  # (another attribute)
     assert agrees(ts, 6) is False
-    ts[4].__dict__["ds_tensor"] = torch.empty(0)  # (in a dict of its own)
+    ts[4].__dict__["ds_tensor"] = torch.empty(0)  # (in a materialized dict)
     assert agrees(ts, 6) is True and agrees(ts, 4) is False  # (only the first `count` are asked)
     del ts[4].__dict__["ds_tensor"]
     assert agrees(ts, 6) is False
-    ts[2].ds_tensor = torch.empty(0)  # (wherever CPython keeps it: True, or declined)
-    assert agrees(ts, 6) in (True, None)
-    later = fresh(3)  # (the class's shared keys may list the name now: declined or False, never wrong)
-    later[0].other = 1
-    agrees(later, 3)
-    assert ext.any_attribute(fresh(2) + ["not a tensor"], 3, "ds_tensor") is None
-    assert ext.any_attribute([_Lookup(torch.ones(1))], 1, "ds_tensor") is None  # (its own __getattr__)
+    ts[2].ds_tensor = torch.empty(0)  # (wherever CPython keeps it: inline values or a dict)
+    assert agrees(ts, 6) is True and agrees(ts, 2) is False
+    assert agrees(ts, 100) is True  # (a count past the end: the whole list)
+    assert agrees(fresh(2) + ["not a tensor", object()], 4) is False
+    looks = [_Lookup(torch.ones(1)) for _ in range(3)]
+    assert agrees(looks, 3) is False  # (its own __getattr__ asked, as hasattr asks it)
+    looks[2].answer = True
+    assert agrees(looks, 3) is True
     plain = fresh(2)
     try:
         torch.nn.Parameter.ds_tensor = None  # (a class attribute: hasattr is True for every one)
-        assert ext.any_attribute(plain, 2, "ds_tensor") is None
+        assert agrees(plain, 2) is True
     finally:
         del torch.nn.Parameter.ds_tensor
-    assert ext.any_attribute(plain, 2, "ds_tensor") is False
+    assert agrees(plain, 2) is False
+    with pytest.raises(KeyError):  # (as hasattr raises it)
+        ext.any_attribute(fresh(1) + [_Raises(torch.ones(1))], 2, "ds_tensor")
     with pytest.raises(TypeError):
         ext.any_attribute(plain, 2, b"ds_tensor")
+    with pytest.raises(TypeError):
+        ext.any_attribute(tuple(plain), 2, "ds_tensor")
+
+
+@needs_ext
+def test_any_attribute_survives_a_lookup_that_empties_the_list():
+    # A __getattr__ may run any code, the caller's list's mutation included: each item is read afresh and held
+    # across its lookup, so the pass ends where the list now ends and nothing is read from a freed item.
+    ts: list = []
+
+    class Clears(torch.nn.Parameter):
+        def __getattr__(self, name):
+            ts.clear()
+            raise AttributeError(name)
+
+    ts.extend([torch.nn.Parameter(torch.ones(1)), Clears(torch.ones(1))] + [torch.nn.Parameter(torch.ones(1)) for _ in range(20)])
+    ts[5].ds_tensor = 1  # (never reached: the list is empty by then)
+    assert torch_ext.ext.any_attribute(ts, 22, "ds_tensor") is False and ts == []
 
 
 @needs_ext
@@ -365,12 +393,10 @@ def test_zero3_conversion_is_asked_in_one_pass_and_answers_as_the_python_read(mo
     assert not adapters._converted_by_zero3(params, 4)  # (DeepSpeed not imported: not asked)
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     asked: list[object] = []
-    monkeypatch.setattr(deepspeed, "any_zero3_param", lambda ps: asked.append(ps) or True)
-    told = torch_ext.ext.any_attribute(params, 4, "ds_tensor")  # (None: declined, where CPython keeps it inline)
-    assert adapters._converted_by_zero3(params, 4) and told in (True, None)
-    assert bool(asked) == (told is None)  # (hasattr asked only where the helper declined)
-    asked.clear()
-    assert adapters._converted_by_zero3(params, 3) is (torch_ext.ext.any_attribute(params, 3, "ds_tensor") is None)
+    python_read = deepspeed.any_zero3_param
+    monkeypatch.setattr(deepspeed, "any_zero3_param", lambda ps: asked.append(ps) or python_read(ps))
+    assert adapters._converted_by_zero3(params, 4) is True and adapters._converted_by_zero3(params, 3) is False
+    assert not asked  # (a list: the helper's pass answered)
+    assert adapters._converted_by_zero3(tuple(params), 4) is True and len(asked) == 1  # (else hasattr in Python)
     del params[3].ds_tensor
-    told = torch_ext.ext.any_attribute(params, 4, "ds_tensor")
-    assert told in (False, None) and adapters._converted_by_zero3(params, 4) is (told is None)
+    assert adapters._converted_by_zero3(params, 4) is False

@@ -1203,75 +1203,35 @@ py::object data_ptrs_or_zero(py::handle list) {
   return std::move(out);
 }
 
-// One object's own attribute `name` (interned): 1 present, 0 absent, -1 not told without Python code or a
-// dict made. A materialized __dict__ is looked up where it is str-keyed (such a lookup runs no code); inline
-// values can hold only the keys their class's shared keys table lists, so a name not listed there is absent,
-// and one listed is left to hasattr.
-int own_attribute(PyObject* obj, PyObject* name) {
-  PyObject* dict = nullptr;
-  PyTypeObject* type = Py_TYPE(obj);
-  if (PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) {
-#if GPU_OFFLOAD_DICT_VERSION_TAGS
-    const Attributes a = attributes_of(obj);
-    if (a.values != nullptr) {
-      const DictKeys* keys = cached_keys(type);
-      if (keys == nullptr) return -1;
-      const DictUnicodeEntry* entries = unicode_entries(keys);
-      for (Py_ssize_t i = 0; i < keys->dk_nentries; ++i) {
-        PyObject* key = entries[i].me_key;
-        if (key == name || (key != nullptr && PyUnicode_CheckExact(key) && PyUnicode_Compare(key, name) == 0)) return -1;
-      }
-      return 0;
-    }
-    dict = a.dict;
-#else
-    return -1;  // (where the dict or values are is this CPython's own: hasattr asks)
-#endif
-  } else if (PyObject** at = _PyObject_GetDictPtr(obj)) {  // (no managed dict: a pointer, nothing made)
-    dict = *at;
-  }
-  if (dict == nullptr) return 0;
-  if (!PyDict_CheckExact(dict)) return -1;
-#if GPU_OFFLOAD_DICT_VERSION_TAGS
-  if (!str_keyed(dict)) return -1;
-#else
-  return -1;
-#endif
-  PyObject* found = PyDict_GetItemWithError(dict, name);  // (borrowed)
-  if (found == nullptr && PyErr_Occurred()) {
-    PyErr_Clear();
-    return -1;
-  }
-  return found != nullptr;
-}
-
-py::object any_attribute(py::handle list, Py_ssize_t count, py::handle name) {
-  Items items = items_of(list);
+// Whether any of the first `count` objects of a list has the attribute `name`: hasattr, in one pass. CPython's
+// optional lookup is what hasattr calls, without the AttributeError that a miss through the generic getattr
+// would make and clear. A class's own __getattr__ or a property runs as it would under hasattr, and an error
+// other than AttributeError propagates as hasattr's would; since such code may change the list, each item is
+// read afresh and held across its lookup.
+bool any_attribute(py::handle list, Py_ssize_t count, py::handle name) {
+  if (!PyList_CheckExact(list.ptr())) throw py::type_error("any_attribute: expected a list");
   if (!PyUnicode_CheckExact(name.ptr())) throw py::type_error("any_attribute: name must be a str");
   py::str interned = py::reinterpret_borrow<py::str>(name);
   PyUnicode_InternInPlace(&interned.ptr());
-  if (count > items.size) count = items.size;
-  PyTypeObject* known = nullptr;  // (the last class found plain for the name: a target's tensors share a few)
-  constexpr Py_ssize_t kObjectsAhead = 8;  // (each object's header and the words before it)
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    if (i + kObjectsAhead < count) {
-      __builtin_prefetch(items.data[i + kObjectsAhead]);
-      __builtin_prefetch(reinterpret_cast<const char*>(items.data[i + kObjectsAhead]) - 32);
+  constexpr Py_ssize_t kObjectsAhead = 8;  // (each object's header and the words before it, its dict or values)
+  for (Py_ssize_t i = 0; i < count && i < PyList_GET_SIZE(list.ptr()); ++i) {
+    if (i + kObjectsAhead < PyList_GET_SIZE(list.ptr())) {
+      const char* ahead = reinterpret_cast<const char*>(PyList_GET_ITEM(list.ptr(), i + kObjectsAhead));
+      __builtin_prefetch(ahead);
+      __builtin_prefetch(ahead - 32);
     }
-    PyObject* obj = items.data[i];
-    PyTypeObject* type = Py_TYPE(obj);
-    if (type != known) {
-      if (!is_tensor(obj) || type->tp_getattro != PyObject_GenericGetAttr ||
-          _PyType_Lookup(type, interned.ptr()) != nullptr) {
-        return py::none();
-      }
-      known = type;
-    }
-    const int found = own_attribute(obj, interned.ptr());
-    if (found < 0) return py::none();
-    if (found > 0) return py::bool_(true);
+    py::object obj = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(list.ptr(), i));
+    PyObject* value = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+    const int found = PyObject_GetOptionalAttr(obj.ptr(), interned.ptr(), &value);
+#else
+    const int found = _PyObject_LookupAttr(obj.ptr(), interned.ptr(), &value);
+#endif
+    if (found < 0) throw py::error_already_set();
+    Py_XDECREF(value);
+    if (found > 0) return true;
   }
-  return py::bool_(false);
+  return false;
 }
 
 // Whether any of the first `count` tensors has a .grad (a module's parameters: their grads join the target

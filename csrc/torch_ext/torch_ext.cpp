@@ -345,10 +345,9 @@ PYBIND11_MODULE(_torch_ext, m) {
         "(keys, values) of a dict of plain tensors under str keys, or None; `names` (an earlier call's keys) is "
         "answered as the keys where the dict's keys are those very objects, in order.");
   m.def("any_grad", &any_grad, py::arg("tensors"), py::arg("count"));
-  m.def("any_attribute", &any_attribute, py::arg("tensors"), py::arg("count"), py::arg("name"),
-        "Whether any of the first `count` tensors has this instance attribute (hasattr, for a class that neither "
-        "has it nor reads attributes its own way), read without making anything; None where that cannot be told "
-        "without Python code.");
+  m.def("any_attribute", &any_attribute, py::arg("objects"), py::arg("count"), py::arg("name"),
+        "Whether any of the first `count` objects of a list has the attribute `name`: any(hasattr(...)) in one "
+        "pass, with hasattr's answers and errors.");
   m.def("data_ptrs_or_zero", &data_ptrs_or_zero, py::arg("items"),
         "data_ptr() of each plain tensor or UntypedStorage in a list, 0 where the storage holds no memory; None "
         "where an item is something else.");

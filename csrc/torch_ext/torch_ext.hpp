@@ -361,7 +361,7 @@ bool any_grad(py::handle list, Py_ssize_t count);
 // Whether any of the first `count` tensors has an instance attribute `name` (what hasattr() finds for an
 // object whose class neither has the name nor reads attributes its own way): True or False, or None where
 // that cannot be told without Python code (the caller then asks hasattr()).
-py::object any_attribute(py::handle list, Py_ssize_t count, py::handle name);
+bool any_attribute(py::handle list, Py_ssize_t count, py::handle name);
 // data_ptr() of each plain tensor or UntypedStorage of a list, 0 for one whose storage holds no memory (an
 // offloaded one, which refuses access in Python), without a Python call or an exception per item; None where
 // an item is anything else (the caller's Python loop decides).
