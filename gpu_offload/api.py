@@ -48,8 +48,8 @@ def _resolve_live(target: Any, include_grads: bool, op: str, *, writes: bool = T
     storages (offload) or keeps them alive past its return (an overlapped snapshot): a cached plan's check
     holds them for it. bump_if: resolve()'s (a cached plan it accepts has its versions bumped by its check).
     """
-    resolved = _plan.resolve(named_tensors(target, include_grads=include_grads, reshard=writes),
-                             shard_info=lambda: shard_info(target), hold=hold, bump_if=bump_if)
+    named = named_tensors(target, include_grads=include_grads, reshard=writes)
+    resolved = _plan.resolve(named, shard_info=lambda: shard_info(target, named), hold=hold, bump_if=bump_if)
     _refuse_offloaded(resolved, op)
     if not resolved.hit:
         problem = extent_problem(resolved.layout)
@@ -536,7 +536,7 @@ def reload(target: Any, *, verify: bool = False) -> None:
         _registry.verify_reloaded([(st, r) for _, st, r in records if r.region is not None])
     # The storages are live again at new addresses: remember the target's plan so that the next call on
     # it (a snapshot or the next offload) needs no fresh bind.
-    _plan.remember(named, bound, shard_info=lambda: shard_info(target))
+    _plan.remember(named, bound, shard_info=lambda: shard_info(target, named))
     _log_rate("reload", sum(r.nbytes for _, _, r in records), start, bound.layout.num_tensors, len(records), True)
 
 

@@ -1848,3 +1848,33 @@ def test_a_restore_never_writes_into_memory_shared_copy_on_write(arena, cached):
     go.restore(target, snap)
     snap.free()
     assert bool((a == 0).all()) and bool((b == 1).all())
+
+
+def test_a_read_that_found_nothing_sharded_answers_the_shard_info_the_recognizers_give(arena, monkeypatch):
+    # named_tensors() marks a read unsharded where it found every part a flat dict, a plain module or a torch
+    # optimizer; shard_info() then answers None without asking again. It must be what they answer, and a part
+    # they would call sharded (here ZeRO-3's mark on a parameter) must never be marked so.
+    import types
+
+    from gpu_offload.adapters import deepspeed, shard_info
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    targets = {"dict": {"a": torch.ones(2), "b": torch.zeros(3)}, "module": model, "optimizer": opt,
+               "[module, optimizer]": [model, opt], "(module,)": (model,)}
+    for name, target in targets.items():
+        for _ in range(2):  # (recorded, then served from the record)
+            named = named_tensors(target)
+            assert shard_info(target) is None, name
+            assert shard_info(target, named) is None, name
+        if name == "dict" or (adapters._ext is not None and adapters._ext.MODULE_TREE):
+            assert named.unsharded, name  # (else the shortcut would never be taken: this test could not fail)
+    mixed = [model, {"t": torch.ones(1)}]  # (a list holding a dict: read by the Python walk, not known)
+    assert not named_tensors(mixed).unsharded
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    monkeypatch.setattr(deepspeed, "is_zero3_module", lambda obj: obj is model)
+    model[1].weight.ds_tensor = torch.empty(0)  # (as ZeRO-3 marks what it converted in place)
+    for target in (model, [model, opt]):
+        assert not named_tensors(target).unsharded

@@ -41,10 +41,10 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
     tensors is read on every call, and building a tuple per entry costs more than the rest of a cached
     call (the garbage collector then also walks them)."""
 
-    __slots__ = ("names", "tensors", "num_grads", "distinct")
+    __slots__ = ("names", "tensors", "num_grads", "distinct", "unsharded")
 
     def __init__(self, names: list[str], tensors: list[torch.Tensor], num_grads: int = 0,
-                 distinct: bool = False) -> None:
+                 distinct: bool = False, unsharded: bool = False) -> None:
         self.names = names
         self.tensors = tensors
         # How many of the pairs, at the end, are gradients (named_tensors(include_grads=True)): the ones before
@@ -53,6 +53,10 @@ class Named(Sequence[tuple[str, torch.Tensor]]):
         # True: the names are distinct by how they were made (a recorded traversal's, see ModuleTree's
         # names_distinct), so a fresh bind need not check them; False: not known.
         self.distinct = distinct
+        # True: the read that made these pairs found every part of the target to be a flat dict of tensors, a
+        # plain module or a torch optimizer, none of which has a shard layout (shard_info answers None without
+        # asking the recognizers again); False: not known.
+        self.unsharded = unsharded
 
     @classmethod
     def from_pairs(cls, pairs: Iterable[tuple[str, torch.Tensor]], num_grads: int = 0) -> "Named":
@@ -98,7 +102,7 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
             if items is not None:
                 if items[0] is not known:
                     _remember_dict_names(id(target), items[0])
-                return Named(*items)
+                return Named(*items, unsharded=True)
         named = _recorded(target, include_grads)
         if named is not None:
             return named
@@ -106,8 +110,8 @@ def named_tensors(target: Any, *, include_grads: bool = False, reshard: bool = T
         # A flat dict of plain tensors (a state dict): no per-item dispatch and no per-item tuple
         # (set(map(type, ...)) runs in C).
         if set(map(type, target)) <= {str}:
-            return Named(list(target), list(target.values()))
-        return Named([str(k) for k in target], list(target.values()))
+            return Named(list(target), list(target.values()), unsharded=True)
+        return Named([str(k) for k in target], list(target.values()), unsharded=True)
     out: NamedTensors = []
     grads: NamedTensors = []
     _collect(target, "", include_grads, out, grads, top=True, reshard=reshard)
@@ -153,10 +157,14 @@ def strategy_of(obj: Any) -> Optional[Strategy]:
     return None
 
 
-def shard_info(target: Any) -> Optional[str]:
+def shard_info(target: Any, named: Optional[Named] = None) -> Optional[str]:
     """The shard layout of the sharded parts of a target (FSDP1, FSDP2, Megatron DDP chunks and
     optimizers, DeepSpeed), as canonical JSON keyed by part index (json.dumps(..., sort_keys=True)); None when
-    nothing in it is sharded."""
+    nothing in it is sharded. named: what named_tensors() answered for the target in this call, where it
+    already found that no part is sharded (a first call on a plain module then asks no recognizer again: with
+    DeepSpeed or FSDP imported, that is the record's tensors read and ZeRO-3's question asked a second time)."""
+    if named is not None and named.unsharded:
+        return None
     info: dict[str, Any] = {}
     texts: dict[str, str] = {}  # each part's JSON
     kept = True  # every part's info is one a record kept (never changed once made)
@@ -281,7 +289,7 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
                 return None
     if _converted_by_zero3(got[1], entry[2]):  # (the record stays: the next call finds the same as cheaply)
         return None
-    return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
+    return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct, unsharded=True)
 
 
 # An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
@@ -490,7 +498,7 @@ def _recorded_parts(target: Any, include_grads: bool) -> Optional[Named]:
     # Distinct where each part's are and no prefix holds a ".": a name's prefix is then what comes before its
     # first ".", so two parts' names differ there (a fresh bind then need not hash every name to find out).
     distinct = all(p.distinct for p in parts) and not any("." in prefix for prefix in prefixes)
-    return Named(names, tensors, num_grads, distinct)
+    return Named(names, tensors, num_grads, distinct, unsharded=all(p.unsharded for p in parts))
 
 
 # A torch optimizer's state traversal, recorded by the helper (names kept; tensors read again each call).
@@ -517,7 +525,7 @@ def _recorded_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Na
         tree, names, tensors = built
         entry = _optimizer_trees[optimizer] = (tree, names)
     # ("state.<index>.<key>": the index, an int, is what comes before the key's "."; a state's keys differ.)
-    return Named(entry[1], tensors, distinct=True)
+    return Named(entry[1], tensors, distinct=True, unsharded=True)
 
 
 def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:
