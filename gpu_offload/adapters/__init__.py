@@ -317,11 +317,15 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
             fsdp.reshard_idle(groups)  # (before the check: an unsharded group's slots hold other tensors)
             got = _tree_tensors(entry[:3], module, include_grads)
     if got is None:
-        entry = _record_fsdp2(module)
-        if entry is None:
+        recorded = _record_fsdp2(module)
+        if recorded is None:
             return None
+        entry, tensors = recorded
         groups = fsdp.live_groups(entry[3])
-        got = _tree_tensors(entry[:3], module, include_grads) if groups is not None else None
+        if groups is None:
+            return None
+        # (The tensors the record was made of; with the gradients, read through it.)
+        got = _tree_tensors(entry[:3], module, True) if include_grads else (entry[1], tensors)
         if got is None:  # (changed since it was just recorded: another thread)
             return None
     if _converted_by_zero3(got[1], entry[2]) or (include_grads and fsdp.unsharded_grads_pending(groups)):
@@ -330,12 +334,14 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
     return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
 
 
-def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int, fsdp.GroupRefs, dict[str, Any]]]:
+def _record_fsdp2(module: torch.nn.Module
+                  ) -> Optional[tuple[tuple[Any, list[str], int, fsdp.GroupRefs, dict[str, Any]], list[torch.Tensor]]]:
     """Records an FSDP2 root's traversal in C++ and names its tensors from it as the Python walk does (what
     that checks and raises, this raises; idle groups are resharded, and the traversal recorded again where one
     was); keeps the record where it reads the same as that walk (the managed parameters, then the others and
-    the buffers: the traversal's own order when every parameter is managed). The modules' paths stay in the
-    record's dict until the first shard layout is computed from them (ids: nothing of the model is held)."""
+    the buffers: the traversal's own order when every parameter is managed), and answers it with the tensors
+    it was made of. The modules' paths stay in the record's dict until the first shard layout is computed from
+    them (ids: nothing of the model is held)."""
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
         return None
     refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
@@ -343,8 +349,8 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
     if built is None:
         return None
     kinds, groups = fsdp._fsdp2_scan(module, named_modules=(built[4], built[5]))
-    fsdp.fsdp2_prepare(module, kinds, groups)
-    if not built[0].check(module):  # (a group was resharded: its parameters' slots hold the shards again)
+    # (A group resharded: its parameters' slots hold the shards again, and the record is made again.)
+    if fsdp.fsdp2_prepare(module, kinds, groups) and not built[0].check(module):
         built = _ext.build_module_tree(module, torch.nn.Module, refused, True)
         if built is None:
             return None
@@ -358,7 +364,7 @@ def _record_fsdp2(module: torch.nn.Module) -> Optional[tuple[Any, list[str], int
             return None  # (a parameter no group manages before a managed one: named after them, out of order)
     kept: dict[str, Any] = {"paths": (_ext.object_ids(modules), paths)}  # (fsdp.ModulePaths: no int made per module)
     entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module, groups), kept)
-    return entry
+    return entry, tensors
 
 
 def _managed_first(groups: list[tuple[str, torch.nn.Module, Any]], tensors: list[torch.Tensor], num_params: int) -> bool:

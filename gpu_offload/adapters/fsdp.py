@@ -370,11 +370,15 @@ def live_groups(refs: GroupRefs) -> list[tuple[str, nn.Module, Any]] | None:
     return out
 
 
-def reshard_idle(groups: list[tuple[str, nn.Module, Any]]) -> None:
-    """What _fsdp2_named does to each group before naming its parameters: reshards an idle unsharded one."""
+def reshard_idle(groups: list[tuple[str, nn.Module, Any]]) -> bool:
+    """What _fsdp2_named does to each group before naming its parameters: reshards an idle unsharded one.
+    Whether any was (its registered parameters changed)."""
+    resharded = False
     for path, m, group in groups:
         if not group.is_sharded:
             _fsdp2_ensure_sharded(path, m, group)
+            resharded = True
+    return resharded
 
 
 def unsharded_grads_pending(groups: list[tuple[str, nn.Module, Any]]) -> bool:
@@ -432,15 +436,16 @@ def _fsdp2_named(module: nn.Module, *, include_grads: bool, reshard: bool = True
     return fsdp2_name(groups, params, module.named_buffers(remove_duplicate=False), include_grads)
 
 
-def fsdp2_prepare(module: nn.Module, kinds: list[nn.Module], groups: list[tuple[str, nn.Module, Any]]) -> None:
+def fsdp2_prepare(module: nn.Module, kinds: list[nn.Module], groups: list[tuple[str, nn.Module, Any]]) -> bool:
     """What naming an FSDP2 module's tensors asks first, _fsdp2_scan's findings given: that it is one and mixes
     no other wrapper (else OffloadError), and every group sharded (an idle unsharded one is resharded: while a
     group is unsharded its registered parameters are the unsharded tensors, so the shards could not be named
-    the same way, for a read or a write). The module's parameters are to be read after this."""
+    the same way, for a read or a write). The module's parameters are to be read after this. Whether a group
+    was resharded (parameters read before this are not the ones to name)."""
     if not _has(kinds, _fsdp2_class()):
         raise OffloadError(f"{type(module).__name__} contains no fully_shard module")
     _reject_other_wrappers(module, "fsdp2", kinds)
-    reshard_idle(groups)
+    return reshard_idle(groups)
 
 
 def fsdp2_name(groups: list[tuple[str, nn.Module, Any]], params: list[tuple[str, nn.Parameter]],
