@@ -106,16 +106,29 @@ def node_budget(directory: Any, max_bytes: int) -> Iterator[None]:
         _C.node_ledger_configure(before_dir, before or 0)
 
 
-@pytest.fixture(params=["helper", "python"])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # `checks`' modes: a test module that sets CHECKS_WALK = True also runs its tests a third time ("walk").
+    if "checks" in metafunc.fixturenames:
+        modes = ["helper", "python"] + (["walk"] if getattr(metafunc.module, "CHECKS_WALK", False) else [])
+        metafunc.parametrize("checks", modes, indirect=True)
+
+
+@pytest.fixture
 def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Runs a test with the engine's per-call work done by the torch-aware helper (gpu_offload._torch_ext:
     target records, module traversals, batched resizes and watches), and again with the pure-Python path
-    it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0)."""
+    it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0). "walk" (test modules that ask for it):
+    the helper without its recorded module traversals, as on a Python whose dicts lack version tags (3.13 and
+    later), where a plain module is walked in C++ each call (walk_module)."""
     from gpu_offload import adapters, plan, registry, storages
     from gpu_offload.adapters import fsdp
 
-    if request.param == "helper" and torch_ext.ext is None:
+    if request.param in ("helper", "walk") and torch_ext.ext is None:
         pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
+    if request.param == "walk":
+        if not hasattr(torch_ext.ext, "walk_module"):
+            pytest.skip("this helper has no walk_module")
+        monkeypatch.setattr(torch_ext.ext, "MODULE_TREE", False)
     if request.param == "python":
         for module in (plan, registry, adapters, storages, fsdp):
             monkeypatch.setattr(module, "_ext", None)

@@ -12,6 +12,7 @@ torch-aware helper and with the pure-Python fallback (conftest.checks).
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import sys
@@ -26,6 +27,7 @@ from gpu_offload import adapters, plan, torch_ext
 from gpu_offload.adapters import named_tensors, plain_module_tensors
 
 pytestmark = pytest.mark.usefixtures("checks")
+CHECKS_WALK = True  # (conftest.checks: each test also runs with plain modules walked by walk_module, no record)
 
 needs_ext = pytest.mark.skipif(not torch_ext.available(), reason=f"gpu_offload._torch_ext {torch_ext.status()}")
 
@@ -963,7 +965,7 @@ def test_a_target_dropped_after_some_cycles_returns_its_bytes(arena, checks):
         go.offload(m, arena=arena)
         watches.append(plan.lookup(*plan._split(named_tensors(m))).offloaded._watch)
         go.reload(m)
-    if checks == "helper":
+    if checks != "python":
         assert watches[0] is not None and watches.count(watches[0]) == 3  # one watch, re-armed
     go.offload(m, arena=arena)
     assert go.offloaded_bytes() > 0 and arena.used_bytes > 0
@@ -1165,7 +1167,7 @@ def test_same_views_ignores_the_storages_memory_and_nothing_else():
 
 @needs_ext
 def test_a_records_check_bumps_only_once_every_tensor_passed(checks):
-    if checks != "helper":
+    if checks == "python":
         pytest.skip("the helper's records only")
     ts = [torch.randn(3) for _ in range(9)]
     record = torch_ext.ext.record(ts)
@@ -1466,7 +1468,7 @@ def test_dropped_gradients_come_back_zeroed_through_their_plan(arena, monkeypatc
         for name, t in named_tensors(m):
             assert_bitwise_equal(t.detach(), expected[name])
     assert go.offloaded_bytes() == 0 and arena.used_bytes == 0
-    if checks == "helper":
+    if checks != "python":
         assert calls == []
 
 
@@ -1567,7 +1569,7 @@ def test_a_dropped_gradients_regrow_that_fails_leaves_them_dropped_for_the_next_
         return resize(resolved, release, refusals)
 
     monkeypatch.setattr(plan, "resize", failing)
-    if checks == "helper":
+    if checks != "python":
         with pytest.raises(go.OffloadError, match="out of memory"):
             go.reload(m)
         assert all(p.grad.untyped_storage().nbytes() == 0 for p in m.parameters())
@@ -1576,7 +1578,7 @@ def test_a_dropped_gradients_regrow_that_fails_leaves_them_dropped_for_the_next_
     else:  # (no gradients' plan without the helper: one by one, the general way)
         go.reload(m)
     monkeypatch.setattr(plan, "resize", resize)
-    if checks == "helper":
+    if checks != "python":
         go.reload(m)  # the gradients, the general way
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters())
     assert go.offloaded_bytes() == 0
@@ -1651,7 +1653,7 @@ def test_an_optimizer_state_holding_tensors_in_lists_names_each_and_is_walked_ev
     names = [n for n, _ in _agrees(opt)]
     assert {"state.0.d", "state.0.old_dirs.0", "state.0.nested.a.0.0", "state.0.nested.b.0"} <= set(names)
     assert names.index("state.0.nested.a.0.0") < names.index("state.0.nested.b.0")
-    if checks == "helper" and torch_ext.ext.OPTIMIZER_TREE:
+    if checks != "python" and torch_ext.ext.OPTIMIZER_TREE:
         assert torch_ext.ext.build_optimizer_tree(opt) is None
     snap = go.snapshot(opt, arena=arena).wait()
     history = [t.clone() for t in state["old_dirs"]]
@@ -1734,7 +1736,7 @@ def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
     after = _agrees(opt)
     if change in ("lr", "nothing"):  # nothing the traversal reads: the same names list, the same tensors
         assert after.tensors == first.tensors
-        assert after.names is first.names or checks == "python"
+        assert after.names is first.names or checks == "python" or not adapters._ext.OPTIMIZER_TREE
     else:
         assert [n for n, _ in after] != [n for n, _ in first] or any(a is not b for a, b in zip(after.tensors, first.tensors))
 
@@ -1750,13 +1752,13 @@ def test_an_optimizer_whose_class_reads_param_groups_otherwise_is_walked(checks)
     _with_grads(m)
     opt.step()
     _agrees(opt)
-    if checks == "helper" and adapters._ext.OPTIMIZER_TREE:
+    if checks != "python" and adapters._ext.OPTIMIZER_TREE:
         assert opt not in adapters._optimizer_trees and adapters._ext.build_optimizer_tree(opt) is None
     # A state that is neither a dict nor torch's defaultdict: walked too.
     m, opt = _stepped()
     opt.state = _CountingState(opt.state)
     _agrees(opt)
-    if checks == "helper" and adapters._ext.OPTIMIZER_TREE:
+    if checks != "python" and adapters._ext.OPTIMIZER_TREE:
         assert adapters._ext.build_optimizer_tree(opt) is None
 
 
@@ -1767,7 +1769,11 @@ def test_a_target_of_recorded_parts_is_named_as_the_walk_names_it(checks, grads)
     for target in ([m, opt], (opt, m, other), {"model": m, "optimizer": opt}, [m, m]):
         first = _agrees(target, grads)
         again = _agrees(target, grads)
-        assert again.names is first.names or checks == "python"
+        # The same names list again where every part was read by the helper: a recorded or walked module (not
+        # with gradients to name where it is walked) and a recorded optimizer (Python 3.11/3.12).
+        ext = adapters._ext
+        helper_read = ext is not None and ext.OPTIMIZER_TREE and (ext.MODULE_TREE or not grads)
+        assert again.names is first.names or not helper_read
     # A part that changes is seen; a part that is not recorded (a tensor, a mapping of tensors) is walked.
     _replace_param(m)
     _agrees([m, opt], grads)
@@ -1792,7 +1798,7 @@ def test_a_module_holding_another_strategys_class_is_not_recorded(monkeypatch, c
     # (fsdp.wrapper_classes()): a module with one anywhere is the strategy's, not a plain one.
     from gpu_offload.adapters import fsdp
 
-    if checks == "python":
+    if checks == "python" or not torch_ext.ext.MODULE_TREE:
         pytest.skip("the helper's records only")
     m = _model()
     assert torch_ext.ext.build_module_tree(m, torch.nn.Module, (torch.nn.ModuleList,)) is None
@@ -1869,7 +1875,12 @@ def test_a_read_that_found_nothing_sharded_answers_the_shard_info_the_recognizer
             named = named_tensors(target)
             assert shard_info(target) is None, name
             assert shard_info(target, named) is None, name
-        if name == "dict" or (adapters._ext is not None and adapters._ext.MODULE_TREE):
+        ext = adapters._ext
+        optimizer_read = ext is not None and ext.OPTIMIZER_TREE
+        module_read = ext is not None and (ext.MODULE_TREE or hasattr(ext, "walk_module"))
+        expected = {"dict": True, "module": module_read, "optimizer": optimizer_read,
+                    "[module, optimizer]": module_read and optimizer_read, "(module,)": module_read}[name]
+        if expected:
             assert named.unsharded, name  # (else the shortcut would never be taken: this test could not fail)
     mixed = [model, {"t": torch.ones(1)}]  # (a list holding a dict: read by the Python walk, not known)
     assert not named_tensors(mixed).unsharded
@@ -1878,3 +1889,88 @@ def test_a_read_that_found_nothing_sharded_answers_the_shard_info_the_recognizer
     model[1].weight.ds_tensor = torch.empty(0)  # (as ZeRO-3 marks what it converted in place)
     for target in (model, [model, opt]):
         assert not named_tensors(target).unsharded
+
+
+# -- walk_module: the traversal walked each call, where none is recorded (Python 3.13 and later) -------------
+class _OwnNamedParameters(torch.nn.Module):
+    def named_parameters(self, *args, **kwargs):  # (reads its parameters its own way)
+        return super().named_parameters(*args, **kwargs)
+
+
+@needs_ext
+def test_walk_module_names_what_torch_names_or_declines(checks):
+    if checks != "helper":
+        pytest.skip("the helper's walk, asked directly: once")
+    walk = torch_ext.ext.walk_module
+
+    def agrees(m):
+        got = walk(m, torch.nn.Module, (), None)
+        want = plain_module_tensors(m, include_grads=False)
+        assert got is not None
+        names, tensors, num_params, _ = got
+        assert names == [n for n, _ in want] and len(tensors) == len(want)
+        assert all(a is b for a, (_, b) in zip(tensors, want))
+        assert num_params == len(list(m.named_parameters(remove_duplicate=False)))
+        return got
+
+    m = _model()
+    first = agrees(m)
+    assert walk(m, torch.nn.Module, (), first[0])[0] is first[0]  # (the same names: the same list)
+    m[1].inner.bias = None  # (a None entry: skipped, as torch skips it)
+    m[0].register_buffer("extra", torch.zeros(1))
+    shared = torch.nn.Linear(2, 2)
+    m.append(shared)
+    m.append(shared)  # (reached twice: named twice, as remove_duplicate=False names it)
+    m[0].experts[1].weight = m[0].experts[0].weight  # (tied)
+    changed = agrees(m)
+    again = walk(m, torch.nn.Module, (), first[0])  # (other names: a new list, the unchanged names' strings kept)
+    assert again[0] is not first[0] and again[0] == changed[0] and again[0][0] is first[0][0]
+    distinct = agrees(torch.nn.Sequential(torch.nn.Linear(2, 2)))[3]
+    assert distinct is True
+    odd = torch.nn.Module()
+    odd.register_parameter("a", torch.nn.Parameter(torch.ones(1)))
+    odd._parameters["a.b"] = torch.nn.Parameter(torch.ones(1))  # (a key with a ".": names may collide)
+    assert agrees(odd)[3] is False
+    # Declined (the Python walk decides): what build_module_tree declines too, and names that are not ASCII.
+    declined = []
+    own = _OwnNamedParameters()
+    own.lin = torch.nn.Linear(2, 2)
+    declined.append(own)
+    shadow = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    shadow.named_modules = lambda *a, **k: iter(())  # (set on the instance: it shadows the class's)
+    declined.append(shadow)
+    ordered = torch.nn.Linear(2, 2)
+    ordered._parameters = collections.OrderedDict(ordered._parameters)
+    declined.append(ordered)
+    cycle = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    cycle._modules["back"] = cycle
+    declined.append(cycle)
+    wide = torch.nn.Module()
+    wide.register_parameter("poids_é", torch.nn.Parameter(torch.ones(1)))
+    declined.append(wide)
+    not_tensor = torch.nn.Linear(2, 2)
+    not_tensor._buffers["junk"] = 3
+    declined.append(not_tensor)
+    for m in declined:
+        assert walk(m, torch.nn.Module, (), None) is None, m
+    assert walk(_model(), torch.nn.Module, (Block,), None) is None  # (a refused class anywhere)
+
+
+@needs_ext
+@pytest.mark.parametrize("change", MODULE_CHANGES, ids=[c.__name__.lstrip("_") for c in MODULE_CHANGES])
+def test_a_module_is_walked_each_call_where_no_traversal_is_recorded(arena, monkeypatch, checks, change):
+    # As on Python 3.13: no record, a C++ walk each call, and every change seen at the next call.
+    if checks != "walk":
+        pytest.skip("the walk without a record")
+    walked = []
+    monkeypatch.setattr(torch_ext.ext, "walk_module",
+                        lambda *a, walk=torch_ext.ext.walk_module: walked.append(1) or walk(*a))
+    m = _model()
+    _warm(m, arena)
+    assert walked and m not in adapters._trees
+    patcher = change(m)
+    if patcher is not None:
+        patcher(monkeypatch)
+    truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
+    assert [(n, id(t)) for n, t in named_tensors(m)] == truth
+    _snapshot_matches(m, arena)

@@ -372,6 +372,12 @@ PYBIND11_MODULE(_torch_ext, m) {
         "(remove_duplicate=False), or None where the traversal is not a plain one or a module is an instance "
         "of a `refused` class. with_modules: (tree, names, tensors, num_params, paths, modules), the last two "
         "what named_modules() yields (each module once, under the path it is first reached by).");
+  m.def("walk_module", &walk_module, py::arg("root"), py::arg("module_type"), py::arg("refused") = py::tuple(),
+        py::arg("previous") = py::none(),
+        "(names, tensors, num_params, names_distinct) of a plain module's named_parameters + named_buffers "
+        "(remove_duplicate=False), walked through CPython's public API with nothing recorded; `names` is "
+        "`previous` itself where that list holds exactly these names. None where build_module_tree would refuse "
+        "the module, or a name is not ASCII.");
   m.def("json_object_of_texts", &json_object_of_texts, py::arg("mapping"), py::arg("text_of"),
         "json.dumps(mapping, sort_keys=True) where each value's JSON is text_of(value), asked once per distinct "
         "value; None unless every key is a str written as is (printable ASCII, no quote or backslash).");

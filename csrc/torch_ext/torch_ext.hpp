@@ -385,6 +385,10 @@ bool shared_keys_layout_ok();
 // (tree, names, tensors, num_params) | None; None too where a module is an instance of a `refused` class.
 // with_modules: (tree, names, tensors, num_params, paths, modules), the last two named_modules()' items.
 py::object build_module_tree(py::handle root, py::handle module_type, py::tuple refused, bool with_modules);
+// The same traversal walked through CPython's public API, nothing recorded (module_walk.cpp): (names, tensors,
+// num_params, names_distinct), the names `previous` itself where they are those; None where the traversal is not
+// a plain one (or a name is not ASCII).
+py::object walk_module(py::handle root, py::handle module_type, py::tuple refused, py::handle previous);
 bool check_module_tree(const ModuleTree& tree, py::handle root);
 void bind_module_tree(py::module_& m);
 

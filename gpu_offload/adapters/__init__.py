@@ -268,7 +268,7 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     dict version tags, a strategy wrapper, a module whose parameters ZeRO-3 converted, anything but a plain
     traversal. With include_grads, each parameter's .grad follows, as the Python walk names them."""
     if not _ext.MODULE_TREE:
-        return None
+        return _walked_module_tensors(module, include_grads)
     entry = _trees.get(module)
     got = _tree_tensors(entry, module, include_grads) if entry is not None else None
     if got is None:
@@ -290,6 +290,30 @@ def _recorded_module_tensors(module: torch.nn.Module, include_grads: bool) -> Op
     if _converted_by_zero3(got[1], entry[2]):  # (the record stays: the next call finds the same as cheaply)
         return None
     return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct, unsharded=True)
+
+
+# A plain module's names as walk_module last gave them, where no traversal is recorded: the next walk that finds
+# the same names answers this very list, and the plan cache finds the target's plan by its identity.
+_walked_names: "weakref.WeakKeyDictionary[torch.nn.Module, list[str]]" = weakref.WeakKeyDictionary()
+
+
+def _walked_module_tensors(module: torch.nn.Module, include_grads: bool) -> Optional[Named]:
+    """_recorded_module_tensors() where this Python has no recorded traversal (3.13 and later): the module walked
+    in C++ through CPython's public API, each call (walk_module). None where that does not apply: a strategy
+    wrapper, a module whose parameters ZeRO-3 converted, a traversal that is not a plain one, or gradients to
+    name (the Python walk then)."""
+    walk = getattr(_ext, "walk_module", None)
+    if walk is None or _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:
+        return None
+    got = walk(module, torch.nn.Module, fsdp.wrapper_classes(), _walked_names.get(module))
+    if got is None:
+        return None
+    names, tensors, num_params, distinct = got
+    if (include_grads and _ext.any_grad(tensors, num_params)) or _converted_by_zero3(tensors, num_params):
+        return None
+    if _walked_names.get(module) is not names:
+        _walked_names[module] = names
+    return Named(names, tensors, 0, distinct, unsharded=True)
 
 
 # An FSDP2 root's traversal, recorded the same way: (tree, names, num_params, its param groups). Its parameters
