@@ -18,7 +18,7 @@
 //
 // Only where the tags mean this: CPython 3.11 and 3.12 with the GIL (3.13 keeps inline values beside a
 // materialized __dict__ and 3.14 retires the tag); elsewhere build_module_tree() says "unsupported" and the
-// caller walks the module in Python every call, as before.
+// caller walks the module each call, in C++ through the public API (module_walk.cpp) where it can.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
