@@ -119,7 +119,7 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
     target records, module traversals, batched resizes and watches), and again with the pure-Python path
     it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0). "walk" (test modules that ask for it):
     the helper without its recorded module traversals, as on a Python whose dicts lack version tags (3.13 and
-    later), where a plain module is walked in C++ each call (walk_module)."""
+    later), where a plain module and a torch optimizer are walked in C++ each call (walk_module, walk_optimizer)."""
     from gpu_offload import adapters, plan, registry, storages
     from gpu_offload.adapters import fsdp
 
@@ -129,6 +129,8 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
         if not hasattr(torch_ext.ext, "walk_module"):
             pytest.skip("this helper has no walk_module")
         monkeypatch.setattr(torch_ext.ext, "MODULE_TREE", False)
+        if hasattr(torch_ext.ext, "walk_optimizer"):
+            monkeypatch.setattr(torch_ext.ext, "OPTIMIZER_TREE", False)
     if request.param == "python":
         for module in (plan, registry, adapters, storages, fsdp):
             monkeypatch.setattr(module, "_ext", None)

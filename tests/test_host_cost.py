@@ -1598,6 +1598,12 @@ def _agrees(target, include_grads=False):
     return named
 
 
+def _optimizer_read_by_helper() -> bool:
+    """Whether a torch optimizer's traversal is read by the helper here: recorded, or walked (walk_optimizer)."""
+    ext = adapters._ext
+    return ext is not None and (ext.OPTIMIZER_TREE or hasattr(ext, "walk_optimizer"))
+
+
 def _stepped() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     m = _model()
     opt = torch.optim.AdamW([{"params": list(m[0].parameters())}, {"params": list(m[1].parameters()), "lr": 0.1}])
@@ -1655,6 +1661,8 @@ def test_an_optimizer_state_holding_tensors_in_lists_names_each_and_is_walked_ev
     assert names.index("state.0.nested.a.0.0") < names.index("state.0.nested.b.0")
     if checks != "python" and torch_ext.ext.OPTIMIZER_TREE:
         assert torch_ext.ext.build_optimizer_tree(opt) is None
+    if checks != "python":
+        assert torch_ext.ext.walk_optimizer(opt) is None  # (a state holding lists: the Python walk names them)
     snap = go.snapshot(opt, arena=arena).wait()
     history = [t.clone() for t in state["old_dirs"]]
     for t in state["old_dirs"]:
@@ -1736,7 +1744,7 @@ def test_a_recorded_optimizer_traversal_sees_every_change(checks, change):
     after = _agrees(opt)
     if change in ("lr", "nothing"):  # nothing the traversal reads: the same names list, the same tensors
         assert after.tensors == first.tensors
-        assert after.names is first.names or checks == "python" or not adapters._ext.OPTIMIZER_TREE
+        assert after.names is first.names or not _optimizer_read_by_helper()
     else:
         assert [n for n, _ in after] != [n for n, _ in first] or any(a is not b for a, b in zip(after.tensors, first.tensors))
 
@@ -1754,12 +1762,16 @@ def test_an_optimizer_whose_class_reads_param_groups_otherwise_is_walked(checks)
     _agrees(opt)
     if checks != "python" and adapters._ext.OPTIMIZER_TREE:
         assert opt not in adapters._optimizer_trees and adapters._ext.build_optimizer_tree(opt) is None
+    if checks != "python":
+        assert adapters._ext.walk_optimizer(opt) is None
     # A state that is neither a dict nor torch's defaultdict: walked too.
     m, opt = _stepped()
     opt.state = _CountingState(opt.state)
     _agrees(opt)
     if checks != "python" and adapters._ext.OPTIMIZER_TREE:
         assert adapters._ext.build_optimizer_tree(opt) is None
+    if checks != "python":
+        assert adapters._ext.walk_optimizer(opt) is None
 
 
 @pytest.mark.parametrize("grads", [False, True])
@@ -1772,7 +1784,7 @@ def test_a_target_of_recorded_parts_is_named_as_the_walk_names_it(checks, grads)
         # The same names list again where every part was read by the helper: a recorded or walked module (not
         # with gradients to name where it is walked) and a recorded optimizer (Python 3.11/3.12).
         ext = adapters._ext
-        helper_read = ext is not None and ext.OPTIMIZER_TREE and (ext.MODULE_TREE or not grads)
+        helper_read = _optimizer_read_by_helper() and (ext.MODULE_TREE or not grads)
         assert again.names is first.names or not helper_read
     # A part that changes is seen; a part that is not recorded (a tensor, a mapping of tensors) is walked.
     _replace_param(m)
@@ -1876,7 +1888,7 @@ def test_a_read_that_found_nothing_sharded_answers_the_shard_info_the_recognizer
             assert shard_info(target) is None, name
             assert shard_info(target, named) is None, name
         ext = adapters._ext
-        optimizer_read = ext is not None and ext.OPTIMIZER_TREE
+        optimizer_read = _optimizer_read_by_helper()
         module_read = ext is not None and (ext.MODULE_TREE or hasattr(ext, "walk_module"))
         expected = {"dict": True, "module": module_read, "optimizer": optimizer_read,
                     "[module, optimizer]": module_read and optimizer_read, "(module,)": module_read}[name]
@@ -1974,3 +1986,48 @@ def test_a_module_is_walked_each_call_where_no_traversal_is_recorded(arena, monk
     truth = [(n, id(t)) for n, t in plain_module_tensors(m, include_grads=False)]
     assert [(n, id(t)) for n, t in named_tensors(m)] == truth
     _snapshot_matches(m, arena)
+
+
+@needs_ext
+def test_walk_optimizer_names_what_the_python_walk_names_or_declines(checks):
+    if checks != "helper":
+        pytest.skip("the helper's walk, asked directly: once")
+    walk = torch_ext.ext.walk_optimizer
+    m, opt = _stepped()
+    extra = torch.nn.Parameter(torch.randn(3))  # (a second group, one parameter without state)
+    opt.add_param_group({"params": [extra]})
+    opt.state[m[0].inner.weight]["a_scalar"] = 3.5  # (not a tensor: skipped, as the Python walk skips it)
+    first = walk(opt, None)
+    want = _walked(opt)
+    assert first is not None and first[0] == [n for n, _ in want]
+    assert all(a is b for a, (_, b) in zip(first[1], want))
+    assert walk(opt, first[0])[0] is first[0]  # (the same names: the same list)
+    opt.state[extra]["exp_avg"] = torch.zeros(3)  # (now it has state: its names join)
+    again = walk(opt, first[0])
+    assert again[0] is not first[0] and again[0] == [n for n, _ in _walked(opt)]
+    opt.state[extra]["pas_é"] = torch.zeros(1)  # (a key that is not ASCII: the Python walk)
+    assert walk(opt, None) is None
+
+
+@pytest.mark.parametrize("change", ["nothing", "state replaced", "param group added", "parameter's state cleared"])
+def test_an_optimizer_is_walked_each_call_where_no_traversal_is_recorded(arena, monkeypatch, checks, change):
+    if checks != "walk":
+        pytest.skip("the walk without a record")
+    walked = []
+    monkeypatch.setattr(torch_ext.ext, "walk_optimizer",
+                        lambda *a, walk=torch_ext.ext.walk_optimizer: walked.append(1) or walk(*a))
+    m, opt = _stepped()
+    target = [m, opt]
+    _warm(target, arena)
+    assert walked and opt not in adapters._optimizer_trees
+    p = m[0].inner.weight
+    if change == "state replaced":
+        opt.state[p]["exp_avg"] = torch.full_like(p, 7.0)
+    elif change == "param group added":
+        extra = torch.nn.Parameter(torch.randn(2))
+        opt.add_param_group({"params": [extra]})
+        opt.state[extra]["exp_avg"] = torch.ones(2)
+    elif change == "parameter's state cleared":
+        opt.state[p].clear()
+    _agrees(opt)
+    _snapshot_matches(target, arena)

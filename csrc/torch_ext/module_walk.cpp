@@ -145,42 +145,13 @@ class Walker {
 
   // (names, tensors, num_params, distinct): the names list `previous` itself where it holds exactly these names.
   py::tuple result(py::handle previous) {
-    const size_t num_params = params_.size(), n = num_params + buffers_.size();
-    auto name_at = [&](size_t i) -> const std::string& {
-      return i < num_params ? param_names_[i] : buffer_names_[i - num_params];
-    };
-    // Each previous name that is these very bytes is kept (no string made for it).
-    const bool listed = PyList_CheckExact(previous.ptr());
-    auto same = [&](size_t i) {
-      PyObject* old = PyList_GET_ITEM(previous.ptr(), static_cast<Py_ssize_t>(i));
-      const std::string& name = name_at(i);
-      return PyUnicode_CheckExact(old) && PyUnicode_IS_ASCII(old) &&
-             static_cast<size_t>(PyUnicode_GET_LENGTH(old)) == name.size() &&
-             std::memcmp(PyUnicode_1BYTE_DATA(old), name.data(), name.size()) == 0;
-    };
-    const Py_ssize_t old_size = listed ? PyList_GET_SIZE(previous.ptr()) : 0;
-    bool all_same = listed && old_size == static_cast<Py_ssize_t>(n);
-    for (size_t i = 0; all_same && i < n; ++i) all_same = same(i);
-    py::object names_list;
-    if (all_same) {
-      names_list = py::reinterpret_borrow<py::object>(previous);
-    } else {
-      names_list = new_list(n, [&](size_t i) -> PyObject* {
-        if (static_cast<Py_ssize_t>(i) < old_size && same(i)) {
-          PyObject* old = PyList_GET_ITEM(previous.ptr(), static_cast<Py_ssize_t>(i));
-          Py_INCREF(old);
-          return old;
-        }
-        const std::string& name = name_at(i);
-        return PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
-      });
-    }
-    py::list tensors(n);
-    for (size_t i = 0; i < n; ++i) {
-      py::object& t = i < num_params ? params_[i] : buffers_[i - num_params];
-      PyList_SET_ITEM(tensors.ptr(), static_cast<Py_ssize_t>(i), t.release().ptr());
-    }
-    return py::make_tuple(names_list, tensors, num_params, distinct_);
+    const size_t num_params = params_.size();
+    std::vector<std::string> all_names = std::move(param_names_);
+    all_names.insert(all_names.end(), std::make_move_iterator(buffer_names_.begin()),
+                     std::make_move_iterator(buffer_names_.end()));
+    std::vector<py::object> tensors = std::move(params_);
+    tensors.insert(tensors.end(), std::make_move_iterator(buffers_.begin()), std::make_move_iterator(buffers_.end()));
+    return py::make_tuple(names_list_of(all_names, previous), list_of(tensors), num_params, distinct_);
   }
 
  private:
@@ -247,6 +218,40 @@ class Walker {
 };
 
 }  // namespace
+
+py::object names_list_of(const std::vector<std::string>& names, py::handle previous) {
+  const size_t n = names.size();
+  // Each previous name that is these very bytes is kept (no string made for it).
+  const bool listed = PyList_CheckExact(previous.ptr());
+  const Py_ssize_t old_size = listed ? PyList_GET_SIZE(previous.ptr()) : 0;
+  auto same = [&](size_t i) {
+    PyObject* old = PyList_GET_ITEM(previous.ptr(), static_cast<Py_ssize_t>(i));
+    const std::string& name = names[i];
+    return PyUnicode_CheckExact(old) && PyUnicode_IS_ASCII(old) &&
+           static_cast<size_t>(PyUnicode_GET_LENGTH(old)) == name.size() &&
+           std::memcmp(PyUnicode_1BYTE_DATA(old), name.data(), name.size()) == 0;
+  };
+  bool all_same = listed && old_size == static_cast<Py_ssize_t>(n);
+  for (size_t i = 0; all_same && i < n; ++i) all_same = same(i);
+  if (all_same) return py::reinterpret_borrow<py::object>(previous);
+  return new_list(n, [&](size_t i) -> PyObject* {
+    if (static_cast<Py_ssize_t>(i) < old_size && same(i)) {
+      PyObject* old = PyList_GET_ITEM(previous.ptr(), static_cast<Py_ssize_t>(i));
+      Py_INCREF(old);
+      return old;
+    }
+    return PyUnicode_FromStringAndSize(names[i].data(), static_cast<Py_ssize_t>(names[i].size()));
+  });
+}
+
+py::list list_of(std::vector<py::object>& items) {
+  py::list out(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), items[i].release().ptr());
+  }
+  items.clear();
+  return out;
+}
 
 py::object walk_module(py::handle root, py::handle module_type, py::tuple refused, py::handle previous) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("walk_module: module_type must be a class");

@@ -378,6 +378,10 @@ PYBIND11_MODULE(_torch_ext, m) {
         "(remove_duplicate=False), walked through CPython's public API with nothing recorded; `names` is "
         "`previous` itself where that list holds exactly these names. None where build_module_tree would refuse "
         "the module, or a name is not ASCII.");
+  m.def("walk_optimizer", &walk_optimizer, py::arg("optimizer"), py::arg("previous") = py::none(),
+        "(names, tensors) of a torch optimizer's state traversal (\"state.<index>.<key>\"), walked through CPython's "
+        "public API with nothing recorded; `names` is `previous` itself where that list holds exactly these names. "
+        "None where build_optimizer_tree would refuse the optimizer, or a key is not ASCII.");
   m.def("json_object_of_texts", &json_object_of_texts, py::arg("mapping"), py::arg("text_of"),
         "json.dumps(mapping, sort_keys=True) where each value's JSON is text_of(value), asked once per distinct "
         "value; None unless every key is a str written as is (printable ASCII, no quote or backslash).");

@@ -389,6 +389,13 @@ py::object build_module_tree(py::handle root, py::handle module_type, py::tuple 
 // num_params, names_distinct), the names `previous` itself where they are those; None where the traversal is not
 // a plain one (or a name is not ASCII).
 py::object walk_module(py::handle root, py::handle module_type, py::tuple refused, py::handle previous);
+// A torch optimizer's state traversal walked the same way (optimizer_walk.cpp): (names, tensors), the names
+// `previous` itself where they are those; None where build_optimizer_tree would refuse it (or a key is not ASCII).
+py::object walk_optimizer(py::handle optimizer, py::handle previous);
+// The walks' shared ends: a list of these ASCII names, `previous` itself where it holds exactly them (the
+// strings of those it holds at the same place kept otherwise); a list taking the objects' references.
+py::object names_list_of(const std::vector<std::string>& names, py::handle previous);
+py::list list_of(std::vector<py::object>& items);
 bool check_module_tree(const ModuleTree& tree, py::handle root);
 void bind_module_tree(py::module_& m);
 

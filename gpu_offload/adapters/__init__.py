@@ -542,7 +542,7 @@ def _recorded_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Na
     Python without dict version tags, an optimizer another strategy owns, a class that reads param_groups
     or state otherwise."""
     if not getattr(_ext, "OPTIMIZER_TREE", False):
-        return None
+        return _walked_optimizer_tensors(optimizer)
     entry = _optimizer_trees.get(optimizer)
     tensors = entry[0].tensors(optimizer) if entry is not None else None
     if tensors is None:
@@ -556,6 +556,26 @@ def _recorded_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Na
         entry = _optimizer_trees[optimizer] = (tree, names)
     # ("state.<index>.<key>": the index, an int, is what comes before the key's "."; a state's keys differ.)
     return Named(entry[1], tensors, distinct=True, unsharded=True)
+
+
+# An optimizer's state names as walk_optimizer last gave them, where no traversal is recorded (see _walked_names).
+_walked_optimizer_names: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[str]]" = weakref.WeakKeyDictionary()
+
+
+def _walked_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Named]:
+    """_recorded_optimizer_tensors() where this Python has no recorded traversal (3.13 and later): the state walked
+    in C++ through CPython's public API, each call (walk_optimizer); None where that does not apply (another
+    strategy's optimizer, a class or state it declines: the Python walk then)."""
+    walk = getattr(_ext, "walk_optimizer", None)
+    if walk is None or strategy_of(optimizer) is not TORCH_OPTIMIZER:
+        return None
+    got = walk(optimizer, _walked_optimizer_names.get(optimizer))
+    if got is None:
+        return None
+    names, tensors = got
+    if _walked_optimizer_names.get(optimizer) is not names:
+        _walked_optimizer_names[optimizer] = names
+    return Named(names, tensors, distinct=True, unsharded=True)
 
 
 def _converted_by_zero3(tensors: Sequence[torch.Tensor], num_params: int) -> bool:
