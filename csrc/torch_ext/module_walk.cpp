@@ -12,6 +12,9 @@
 // The names are built as bytes and compared with the names the caller got last time (`previous`): where
 // every one is the same, that very list is answered, and the plan cache finds the target's plan by the
 // names' identity, as it does for a recorded traversal's list.
+//
+// With the GIL only: a free-threaded CPython (Py_GIL_DISABLED) walks in Python, since another thread may then
+// change a dict while PyDict_Next hands out its items borrowed. So does optimizer_walk.cpp.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
@@ -255,6 +258,11 @@ py::list list_of(std::vector<py::object>& items) {
 
 py::object walk_module(py::handle root, py::handle module_type, py::tuple refused, py::handle previous) {
   if (!PyType_Check(module_type.ptr())) throw py::type_error("walk_module: module_type must be a class");
+#ifdef Py_GIL_DISABLED
+  // (Without the GIL another thread may change a dict while PyDict_Next hands out borrowed items: Python walks.)
+  (void)root, (void)refused, (void)previous;
+  return py::none();
+#endif
   std::vector<PyTypeObject*> refused_types;
   std::vector<py::object> held;  // (the refused classes, alive through the walk)
   for (py::handle cls : refused) {

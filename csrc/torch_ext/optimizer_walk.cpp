@@ -80,6 +80,11 @@ class StateByAddress {
 }  // namespace
 
 py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
+#ifdef Py_GIL_DISABLED
+  // (Without the GIL another thread may change a dict while PyDict_Next hands out borrowed items: Python walks.)
+  (void)optimizer_handle, (void)previous;
+  return py::none();
+#endif
   PyObject* optimizer = optimizer_handle.ptr();
   PyTypeObject* type = Py_TYPE(optimizer);
   const OptimizerNames& names = optimizer_names();
