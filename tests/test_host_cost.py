@@ -2031,3 +2031,77 @@ def test_an_optimizer_is_walked_each_call_where_no_traversal_is_recorded(arena, 
         opt.state[p].clear()
     _agrees(opt)
     _snapshot_matches(target, arena)
+
+
+class _MutatesOnCompare:
+    """A dict key hashed as `name`: when a lookup of that name compares with it (armed), it runs `act`, as any
+    key's __eq__ may run any code in the middle of a walk."""
+
+    def __init__(self, name: str, act) -> None:
+        self.name, self.act, self.armed, self.fired = name, act, False, 0
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other) -> bool:
+        if self.armed:
+            self.fired += 1
+            self.act()
+        return False
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["named_modules", "_parameters"])
+def test_code_run_mid_walk_cannot_free_what_walk_module_reads(checks, name):
+    # A key's __eq__, run by a lookup in a child's __dict__, drops every child of the root and collects: the walk
+    # holds each module, dict and tensor it reads, so it answers the module as it found it, or declines.
+    if checks != "helper":
+        pytest.skip("the helper's walk, asked directly: once")
+    root = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)) for _ in range(4)])
+    before = plain_module_tensors(root, include_grads=False)
+
+    def drop_all():
+        root._modules.clear()
+        gc.collect()
+
+    key = _MutatesOnCompare(name, drop_all)
+    child = root[1]
+    if name == "_parameters":  # (inserted first, so that the lookup of the name meets it before the name itself)
+        items = dict(child.__dict__)
+        child.__dict__.clear()
+        child.__dict__[key] = 1
+        child.__dict__.update(items)
+    else:
+        child.__dict__[key] = 1
+    del child
+    before_ids = [id(t) for _, t in before]
+    key.armed = True
+    got = torch_ext.ext.walk_module(root, torch.nn.Module, (), None)
+    assert key.fired >= 1  # (else this test tests nothing)
+    if got is not None:
+        names, tensors, _, _ = got
+        assert len(names) == len(tensors) and [id(t) for t in tensors] == before_ids
+        assert all(t.sum().item() == t.detach().sum().item() for t in tensors)  # (alive: readable)
+
+
+@needs_ext
+def test_code_run_mid_walk_cannot_free_what_walk_optimizer_reads(checks):
+    if checks != "helper":
+        pytest.skip("the helper's walk, asked directly: once")
+    m, opt = _stepped()
+
+    def drop_all():
+        opt.param_groups.clear()
+        opt.state.clear()
+        gc.collect()
+
+    key = _MutatesOnCompare("params", drop_all)
+    group = opt.param_groups[0]
+    opt.param_groups[0] = {key: 1, **group}  # (the key first: the lookup of "params" meets it first)
+    key.armed = True
+    got = torch_ext.ext.walk_optimizer(opt, None)
+    assert key.fired >= 1
+    key.armed = False
+    if got is not None:  # (the groups list and the state were emptied in place: what the Python walk reads now)
+        assert [id(t) for t in got[1]] == [id(t) for _, t in _walked(opt)]
+        assert all(torch.isfinite(t).all() for t in got[1])
