@@ -1968,15 +1968,20 @@ def test_walk_module_names_what_torch_names_or_declines(checks):
     assert walk(_model(), torch.nn.Module, (Block,), None) is None  # (a refused class anywhere)
 
 
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """The helper's function `name`, wrapped to note each call (a list that grows by one per call)."""
+    calls: list[int] = []
+    monkeypatch.setattr(torch_ext.ext, name, lambda *a, f=getattr(torch_ext.ext, name): calls.append(1) or f(*a))
+    return calls
+
+
 @needs_ext
 @pytest.mark.parametrize("change", MODULE_CHANGES, ids=[c.__name__.lstrip("_") for c in MODULE_CHANGES])
 def test_a_module_is_walked_each_call_where_no_traversal_is_recorded(arena, monkeypatch, checks, change):
     # As on Python 3.13: no record, a C++ walk each call, and every change seen at the next call.
     if checks != "walk":
         pytest.skip("the walk without a record")
-    walked = []
-    monkeypatch.setattr(torch_ext.ext, "walk_module",
-                        lambda *a, walk=torch_ext.ext.walk_module: walked.append(1) or walk(*a))
+    walked = _count_calls(monkeypatch, "walk_module")
     m = _model()
     _warm(m, arena)
     assert walked and m not in adapters._trees
@@ -2013,9 +2018,7 @@ def test_walk_optimizer_names_what_the_python_walk_names_or_declines(checks):
 def test_an_optimizer_is_walked_each_call_where_no_traversal_is_recorded(arena, monkeypatch, checks, change):
     if checks != "walk":
         pytest.skip("the walk without a record")
-    walked = []
-    monkeypatch.setattr(torch_ext.ext, "walk_optimizer",
-                        lambda *a, walk=torch_ext.ext.walk_optimizer: walked.append(1) or walk(*a))
+    walked = _count_calls(monkeypatch, "walk_optimizer")
     m, opt = _stepped()
     target = [m, opt]
     _warm(target, arena)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "torch_ext.hpp"
+#include "traversal.hpp"
 
 #define GPU_OFFLOAD_MODULE_TREE GPU_OFFLOAD_DICT_VERSION_TAGS
 
@@ -64,18 +65,13 @@ struct Entry {
   PyObject* value;
 };
 
-const char* const kPartNames[3] = {"_parameters", "_buffers", "_modules"};
-
-// The methods the traversal calls on each module through the instance (`module.named_modules(...)`): one
-// set on an instance shadows the class's, so a module whose __dict__ has one is not a plain one.
-const char* const kMethodNames[4] = {"named_modules", "named_parameters", "named_buffers", "_named_members"};
 
 struct Interned {
   PyObject* parts[3];
   PyObject* methods[4];
   Interned() {
-    for (int i = 0; i < 3; ++i) parts[i] = PyUnicode_InternFromString(kPartNames[i]);
-    for (int i = 0; i < 4; ++i) methods[i] = PyUnicode_InternFromString(kMethodNames[i]);
+    for (int i = 0; i < 3; ++i) parts[i] = PyUnicode_InternFromString(kModuleParts[i]);
+    for (int i = 0; i < 4; ++i) methods[i] = PyUnicode_InternFromString(kModuleMethods[i]);
   }
 };
 
@@ -261,7 +257,7 @@ class ModuleTree {
   size_t num_tensors = 0;
   size_t num_params = 0;
   // Whether the traversal's names are distinct by construction, with their "<name>.grad"s too (see
-  // Builder::key_ok): then bind() need not hash every name to find out.
+  // traversal_key_ok): then bind() need not hash every name to find out.
   bool names_distinct = false;
   // tensors_with_grads(): the names it answered last (the traversal's, then "<name>.grad" of each parameter
   // that had a grad), for that set of parameters (`grads_of`) under that traversal's names (`base`), so that a
@@ -276,24 +272,10 @@ class ModuleTree {
 namespace {
 
 // The methods a plain traversal goes through, as nn.Module defines them.
-struct ModuleMethods {
-  PyObject* named_modules = nullptr;
-  PyObject* named_parameters = nullptr;
-  PyObject* named_buffers = nullptr;
-  PyObject* named_members = nullptr;
-  PyObject* getattribute = nullptr;
-};
-
 class Builder {
  public:
   Builder(PyTypeObject* module_type, std::vector<PyTypeObject*> refused, bool with_modules)
-      : module_type_(module_type), refused_(std::move(refused)), with_modules_(with_modules) {
-    base_.named_modules = lookup(module_type, "named_modules");
-    base_.named_parameters = lookup(module_type, "named_parameters");
-    base_.named_buffers = lookup(module_type, "named_buffers");
-    base_.named_members = lookup(module_type, "_named_members");
-    base_.getattribute = lookup(module_type, "__getattribute__");
-  }
+      : module_type_(module_type), classes_(module_type, std::move(refused)), with_modules_(with_modules) {}
 
   // false: not a plain traversal (the caller walks the module in Python). The module's prefix is `prefix`,
   // or, where it is nullptr, path_: while every name on the way down is ASCII (the usual case) a module's
@@ -301,7 +283,7 @@ class Builder {
   bool visit(PyObject* module, PyObject* prefix, int depth, bool root) {
     if (depth > 256) return false;  // a cycle, or deeper than any model: Python decides
     PyTypeObject* type = Py_TYPE(module);
-    if (!PyType_IsSubtype(type, module_type_) || !plain_class(type, root)) return false;
+    if (!PyType_IsSubtype(type, module_type_) || !classes_.plain(type, root)) return false;
     unsigned int tag = type->tp_version_tag;
     if (tag == 0) return false;
     PyObject** dict_ptr = _PyObject_GetDictPtr(module);
@@ -344,7 +326,7 @@ class Builder {
     while (PyDict_Next(facts.parts[2], &pos, &name, &child)) {
       if (child == Py_None) continue;
       if (!PyUnicode_CheckExact(name)) return false;
-      distinct_ = distinct_ && key_ok(name);
+      distinct_ = distinct_ && traversal_key_ok(name);
       kids_.emplace_back(name, child);
     }
     // (A child under the key of one of the module's own tensors: "<key>.<its tensor>" may then be another
@@ -526,25 +508,6 @@ class Builder {
     return dict != nullptr && str_keyed(dict) ? dict : nullptr;
   }
 
-  static PyObject* lookup(PyTypeObject* type, const char* name) {
-    py::object key = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(name));
-    return _PyType_Lookup(type, key.ptr());  // borrowed; also gives the class a version tag
-  }
-
-  bool plain_class(PyTypeObject* type, bool root) {
-    auto it = plain_.find(type);
-    if (it != plain_.end() && (!root || it->second.second)) return it->second.first;
-    bool ok = lookup(type, "named_modules") == base_.named_modules &&
-              lookup(type, "__getattribute__") == base_.getattribute;
-    for (PyTypeObject* refused : refused_) ok = ok && !PyType_IsSubtype(type, refused);  // (another strategy's)
-    for (int p = 0; ok && p < 3; ++p) ok = lookup(type, kPartNames[p]) == nullptr;  // no descriptor shadows them
-    bool root_ok = ok && lookup(type, "named_parameters") == base_.named_parameters &&
-                   lookup(type, "named_buffers") == base_.named_buffers &&
-                   lookup(type, "_named_members") == base_.named_members;
-    plain_[type] = {ok, root_ok};
-    return root ? root_ok : ok;
-  }
-
   // "prefix.name" for an ASCII prefix (`a` bytes) and an ASCII name, in one allocation straight from the
   // bytes; the name itself under an empty prefix.
   static py::object join_ascii(const char* prefix, size_t a, PyObject* name) {
@@ -589,15 +552,8 @@ class Builder {
   }
 
   // A traversal's name is its modules' keys and its tensor's key joined by "."; while no key is empty or holds
-  // a ".", the keys can be read back from a name, so two names are equal only where the keys on their
-  // paths are, which a dict's distinct keys rule out but for the cases disjoint() is asked about.
-  static bool key_ok(PyObject* key) {
-    const Py_ssize_t n = PyUnicode_GET_LENGTH(key);
-    if (n == 0) return false;
-    if (PyUnicode_IS_ASCII(key)) return std::memchr(PyUnicode_1BYTE_DATA(key), '.', static_cast<size_t>(n)) == nullptr;
-    return PyUnicode_FindChar(key, '.', 0, n, 1) == -1;  // (-2, an error, cannot be: an exact str, in range)
-  }
-
+  // a "." (traversal_key_ok), the keys can be read back from a name, so two names are equal only where the keys
+  // on their paths are, which a dict's distinct keys rule out but for the cases disjoint() is asked about.
   // Whether no key of `a` is one of `b`'s (both exact dicts; false where b's lookups could run code).
   static bool disjoint(PyObject* a, PyObject* b) {
     if (!str_keyed(b)) return false;
@@ -660,7 +616,7 @@ class Builder {
       tree_.keys.push_back(py::reinterpret_borrow<py::object>(name));
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(name) || !is_tensor(value)) return false;
-      distinct_ = distinct_ && key_ok(name);
+      distinct_ = distinct_ && traversal_key_ok(name);
       names.push_back(join_prefix(prefix, name));
       values.push_back(py::reinterpret_borrow<py::object>(value));
     }
@@ -668,9 +624,7 @@ class Builder {
   }
 
   PyTypeObject* module_type_;
-  std::vector<PyTypeObject*> refused_;  // classes whose instances make the module another strategy's
-  ModuleMethods base_;
-  std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;
+  PlainModuleClasses classes_;  // (refusing the classes whose instances make the module another strategy's)
   SharedKeysTables tables_;
   ModuleTree tree_;
   std::vector<std::pair<PyObject*, PyObject*>> kids_;  // (name, child) of the modules being visited, a stack

@@ -20,11 +20,11 @@
 
 #include <cstring>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "torch_ext.hpp"
+#include "traversal.hpp"
 
 namespace py = pybind11;
 
@@ -32,18 +32,15 @@ namespace gpu_offload::torch_ext {
 
 namespace {
 
-// The module attributes the traversal reads, and the methods it calls through each instance: one set on an
-// instance shadows its class's, so a module whose __dict__ has one is walked in Python.
-const char* const kParts[3] = {"_parameters", "_buffers", "_modules"};
-const char* const kMethods[4] = {"named_modules", "named_parameters", "named_buffers", "_named_members"};
-
 struct Names {
   py::object parts[3];
   py::object methods[4];
   Names() {
-    for (int i = 0; i < 3; ++i) parts[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(kParts[i]));
+    for (int i = 0; i < 3; ++i) {
+      parts[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(kModuleParts[i]));
+    }
     for (int i = 0; i < 4; ++i) {
-      methods[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(kMethods[i]));
+      methods[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(kModuleMethods[i]));
     }
   }
 };
@@ -53,31 +50,16 @@ const Names& names() {
   return *n;
 }
 
-// A class attribute as the type's MRO has it (borrowed), or nullptr.
-PyObject* class_attribute(PyTypeObject* type, const char* name) {
-  py::object key = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(name));
-  return _PyType_Lookup(type, key.ptr());
-}
-
-// Whether a key can be read back from a joined name: not empty and holding no ".".
-bool key_ok(PyObject* key) {
-  const Py_ssize_t n = PyUnicode_GET_LENGTH(key);
-  return n != 0 && std::memchr(PyUnicode_1BYTE_DATA(key), '.', static_cast<size_t>(n)) == nullptr;
-}
-
 class Walker {
  public:
   Walker(PyTypeObject* module_type, std::vector<PyTypeObject*> refused)
-      : module_type_(module_type), refused_(std::move(refused)) {
-    for (const char* name : kMethods) base_methods_.push_back(class_attribute(module_type, name));
-    base_getattribute_ = class_attribute(module_type, "__getattribute__");
-  }
+      : module_type_(module_type), classes_(module_type, std::move(refused)) {}
 
   // false: not a plain traversal, or a name that is not ASCII (the caller walks the module in Python).
   bool visit(PyObject* module, int depth, bool root) {
     if (depth > 256) return false;  // a cycle, or deeper than any model: Python decides (and raises)
     PyTypeObject* type = Py_TYPE(module);
-    if (!PyType_IsSubtype(type, module_type_) || !plain_class(type, root)) return false;
+    if (!PyType_IsSubtype(type, module_type_) || !classes_.plain(type, root)) return false;
     py::object dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(module, nullptr));
     if (!dict || !PyDict_CheckExact(dict.ptr())) {
       PyErr_Clear();
@@ -118,7 +100,7 @@ class Walker {
     while (PyDict_Next(parts[2].ptr(), &pos, &key, &child)) {
       if (child == Py_None) continue;
       if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key)) return false;
-      distinct_ = distinct_ && key_ok(key);
+      distinct_ = distinct_ && traversal_key_ok(key);
       kids.emplace_back(py::reinterpret_borrow<py::object>(key), py::reinterpret_borrow<py::object>(child));
     }
     // (A child under the key of one of the module's own tensors: "<key>.<its tensor>" may then be another
@@ -158,20 +140,6 @@ class Walker {
   }
 
  private:
-  bool plain_class(PyTypeObject* type, bool root) {
-    auto it = plain_.find(type);
-    if (it != plain_.end()) return root ? it->second.second : it->second.first;
-    bool ok = class_attribute(type, "named_modules") == base_methods_[0] &&
-              class_attribute(type, "__getattribute__") == base_getattribute_;
-    for (PyTypeObject* refused : refused_) ok = ok && !PyType_IsSubtype(type, refused);  // (another strategy's)
-    for (const char* part : kParts) ok = ok && class_attribute(type, part) == nullptr;  // (no descriptor shadows one)
-    const bool root_ok = ok && class_attribute(type, "named_parameters") == base_methods_[1] &&
-                         class_attribute(type, "named_buffers") == base_methods_[2] &&
-                         class_attribute(type, "_named_members") == base_methods_[3];
-    plain_[type] = {ok, root_ok};
-    return root ? root_ok : ok;
-  }
-
   // A module's _parameters or _buffers: each tensor, held, and its name ("<path>.<key>"), as named_* yield them.
   bool members(PyObject* dict, std::vector<std::string>& out_names, std::vector<py::object>& out_values) {
     if (PyDict_GET_SIZE(dict) == 0) return true;  // (most modules' _buffers, and a container's _parameters)
@@ -180,7 +148,7 @@ class Walker {
     while (PyDict_Next(dict, &pos, &key, &value)) {
       if (value == Py_None) continue;
       if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key) || !is_tensor(value)) return false;
-      distinct_ = distinct_ && key_ok(key);
+      distinct_ = distinct_ && traversal_key_ok(key);
       std::string name;
       const size_t b = static_cast<size_t>(PyUnicode_GET_LENGTH(key));
       name.reserve(path_.size() + 1 + b);
@@ -210,10 +178,7 @@ class Walker {
   }
 
   PyTypeObject* module_type_;
-  std::vector<PyTypeObject*> refused_;  // classes whose instances make the module another strategy's
-  std::vector<PyObject*> base_methods_;  // nn.Module's own named_modules, named_parameters, named_buffers, _named_members
-  PyObject* base_getattribute_ = nullptr;
-  std::unordered_map<PyTypeObject*, std::pair<bool, bool>> plain_;  // (as a child, as the root)
+  PlainModuleClasses classes_;  // (refusing the classes whose instances make the module another strategy's)
   std::string path_;  // the prefix of the module being visited
   bool distinct_ = true;  // (see ModuleTree::names_distinct)
   std::vector<std::string> param_names_, buffer_names_;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "torch_ext.hpp"
+#include "traversal.hpp"
 
 #define GPU_OFFLOAD_OPTIMIZER_TREE GPU_OFFLOAD_DICT_VERSION_TAGS
 
@@ -80,41 +81,6 @@ PyObject* state_name(const char* prefix, size_t a, int64_t index, PyObject* key)
   return name;
 }
 
-// Parameter -> its state dict, by the parameter's address (what state.get(p) finds: the key is the parameter
-// itself), without hashing each parameter through Tensor.__hash__ (Python code). Open addressing: a
-// node-based map spent an allocation per entry, and a lookup two misses.
-class StateIndex {
- public:
-  explicit StateIndex(size_t expected) {
-    int bits = 4;
-    while ((size_t{1} << bits) < 2 * expected) ++bits;
-    slots_.assign(size_t{1} << bits, {nullptr, nullptr});
-    mask_ = slots_.size() - 1;
-    shift_ = 64 - bits;
-  }
-  void insert(PyObject* key, PyObject* value) {  // (a dict's keys are distinct objects)
-    size_t i = slot_of(key);
-    while (slots_[i].first != nullptr) i = (i + 1) & mask_;
-    slots_[i] = {key, value};
-  }
-  PyObject* find(PyObject* key) const {  // borrowed, or nullptr
-    for (size_t i = slot_of(key); slots_[i].first != nullptr; i = (i + 1) & mask_) {
-      if (slots_[i].first == key) return slots_[i].second;
-    }
-    return nullptr;
-  }
-  // Asks for the slot `key` is looked up at first (the table is larger than the caches: a random access each).
-  void prefetch(PyObject* key) const { __builtin_prefetch(&slots_[slot_of(key)]); }
-
- private:
-  size_t slot_of(PyObject* key) const {  // Fibonacci hashing: the product's top bits
-    return static_cast<size_t>((reinterpret_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_);
-  }
-  std::vector<std::pair<PyObject*, PyObject*>> slots_;
-  size_t mask_;
-  int shift_;
-};
-
 }  // namespace
 
 class OptimizerTree {
@@ -138,12 +104,6 @@ class OptimizerTree {
 };
 
 namespace {
-
-// Whether the class reads param_groups and state as plain instance attributes.
-bool plain_class(PyTypeObject* type) {
-  if (type->tp_getattro != PyObject_GenericGetAttr) return false;
-  return _PyType_Lookup(type, names().param_groups) == nullptr && _PyType_Lookup(type, names().state) == nullptr;
-}
 
 bool same_items(PyObject* list, const PyObject* const* recorded, size_t n) {
   if (!PyList_CheckExact(list) || static_cast<size_t>(PyList_GET_SIZE(list)) != n) return false;
@@ -206,7 +166,7 @@ bool optimizer_tree_supported() { return true; }
 py::object build_optimizer_tree(py::handle optimizer_handle) {
   PyObject* optimizer = optimizer_handle.ptr();
   PyTypeObject* type = Py_TYPE(optimizer);
-  if (!plain_class(type) || type->tp_version_tag == 0) return py::none();
+  if (!plain_optimizer_class(type) || type->tp_version_tag == 0) return py::none();
   auto tree = std::make_unique<OptimizerTree>();
   OptimizerTree& t = *tree;
   t.optimizer = optimizer;
@@ -233,7 +193,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   t.state_version = version_of(t.state);
   py::list names_out, tensors_out;
   std::vector<py::object> held;  // the groups, params lists and state dicts, while the lookups run
-  StateIndex state_of(static_cast<size_t>(PyDict_GET_SIZE(t.state)));
+  AddressIndex state_of(static_cast<size_t>(PyDict_GET_SIZE(t.state)));
   {
     Py_ssize_t pos = 0;
     PyObject *key, *value;
@@ -267,17 +227,13 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   held.reserve(held.size() + num_params);
   t.tensors.reserve(3 * num_params);
   // Each state's tensors by sorted key. Memory-bound (a state dict, its table, its tensors, scattered): each
-  // is asked for a few parameters ahead of its read, the dict furthest. A state's keys are mostly the
-  // same str objects as the state before's, in the same order (an optimizer makes them alike): that
-  // state's sorted order then serves again.
+  // is asked for a few parameters ahead of its read, the dict furthest.
   constexpr size_t kDictAhead = 12, kTableAhead = 6, kValuesAhead = 3;
   auto exact_dict = [&](size_t i) -> PyObject* {
     PyObject* st = i < num_params ? t.param_states[i] : nullptr;
     return st != nullptr && PyDict_CheckExact(st) ? st : nullptr;
   };
-  std::vector<std::pair<PyObject*, PyObject*>> items;  // one state's (key, value)s, in its order
-  std::vector<PyObject*> last_keys;  // the keys the order below was sorted from
-  std::vector<size_t> order;
+  SortedStateKeys keys;  // one state's items, in sorted(state) order
   char prefix[48] = "state.";
   for (size_t i = 0; i < num_params; ++i) {
     if (i + kDictAhead < num_params && t.param_states[i + kDictAhead] != nullptr) {
@@ -298,35 +254,17 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
     if (!PyDict_CheckExact(st) || !str_keyed(st)) return py::none();
     held.push_back(py::reinterpret_borrow<py::object>(st));
     t.param_state_versions[i] = version_of(st);
-    // sorted(state): str keys only (Python's sorted would refuse a mix), each tensor value under its key.
-    items.clear();
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(st, &pos, &key, &value)) {
-      if (!PyUnicode_CheckExact(key)) return py::none();
-      items.emplace_back(key, value);
-    }
-    const bool same_keys = items.size() == last_keys.size() &&
-                           std::equal(items.begin(), items.end(), last_keys.begin(),
-                                      [](const auto& item, PyObject* k) { return item.first == k; });
-    if (!same_keys) {
-      last_keys.clear();
-      for (const auto& item : items) last_keys.push_back(item.first);
-      order.resize(items.size());
-      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      std::sort(order.begin(), order.end(),
-                [&](size_t x, size_t y) { return PyUnicode_Compare(items[x].first, items[y].first) < 0; });
-    }
+    if (!keys.read(st, /*ascii_only=*/false)) return py::none();
     char* end = std::to_chars(prefix + 6, prefix + sizeof(prefix) - 1, static_cast<int64_t>(i)).ptr;
     *end = '.';
     const size_t a = static_cast<size_t>(end - prefix) + 1;
-    for (size_t k : order) {
-      PyObject* v = items[k].second;
+    for (size_t k : keys.order()) {
+      PyObject* v = keys.item(k).second;
       // (Tensors in a list, tuple or dict, LBFGS's history, are named by the Python walk; such a container
       // changes without its state dict's version tag, so a state holding one is never recorded.)
       if (PyList_Check(v) || PyTuple_Check(v) || PyDict_Check(v)) return py::none();
       if (!is_tensor(v)) continue;
-      PyObject* name = state_name(prefix, a, static_cast<int64_t>(i), items[k].first);
+      PyObject* name = state_name(prefix, a, static_cast<int64_t>(i), keys.item(k).first);
       if (PyList_Append(names_out.ptr(), name) < 0) {
         Py_DECREF(name);
         throw py::error_already_set();

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "torch_ext.hpp"
+#include "traversal.hpp"
 
 namespace py = pybind11;
 
@@ -45,38 +46,6 @@ py::object held_item(PyObject* dict, PyObject* key) {
   return py::reinterpret_borrow<py::object>(value);
 }
 
-// Parameter -> its state dict, by the parameter's address (the state dict's key is the parameter itself: what
-// state.get(p) finds), without hashing each parameter through Tensor.__hash__, which is Python code.
-class StateByAddress {
- public:
-  explicit StateByAddress(size_t expected) {
-    int bits = 4;
-    while ((size_t{1} << bits) < 2 * expected) ++bits;
-    slots_.assign(size_t{1} << bits, {nullptr, nullptr});
-    mask_ = slots_.size() - 1;
-    shift_ = 64 - bits;
-  }
-  void insert(PyObject* key, PyObject* value) {  // (a dict's keys are distinct objects)
-    size_t i = slot_of(key);
-    while (slots_[i].first != nullptr) i = (i + 1) & mask_;
-    slots_[i] = {key, value};
-  }
-  PyObject* find(PyObject* key) const {  // borrowed, or nullptr
-    for (size_t i = slot_of(key); slots_[i].first != nullptr; i = (i + 1) & mask_) {
-      if (slots_[i].first == key) return slots_[i].second;
-    }
-    return nullptr;
-  }
-
- private:
-  size_t slot_of(PyObject* key) const {  // (Fibonacci hashing: the product's top bits)
-    return static_cast<size_t>((reinterpret_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_);
-  }
-  std::vector<std::pair<PyObject*, PyObject*>> slots_;
-  size_t mask_;
-  int shift_;
-};
-
 }  // namespace
 
 py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
@@ -88,11 +57,7 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
   PyObject* optimizer = optimizer_handle.ptr();
   PyTypeObject* type = Py_TYPE(optimizer);
   const OptimizerNames& names = optimizer_names();
-  // param_groups and state read as plain instance attributes.
-  if (type->tp_getattro != PyObject_GenericGetAttr || _PyType_Lookup(type, names.param_groups.ptr()) != nullptr ||
-      _PyType_Lookup(type, names.state.ptr()) != nullptr) {
-    return py::none();
-  }
+  if (!plain_optimizer_class(type)) return py::none();
   py::object hold_optimizer = py::reinterpret_borrow<py::object>(optimizer_handle);
   py::object dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(optimizer, nullptr));
   if (!dict || !PyDict_CheckExact(dict.ptr())) {
@@ -124,7 +89,7 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
   }
   // Each parameter's state dict, held. (No Python code runs from here to the end: no lookup, no hash; an
   // allocation may run a finalizer, which cannot free what is held.)
-  StateByAddress state_of(static_cast<size_t>(PyDict_GET_SIZE(state.ptr())));
+  AddressIndex state_of(static_cast<size_t>(PyDict_GET_SIZE(state.ptr())));
   {
     Py_ssize_t pos = 0;
     PyObject *key, *value;
@@ -134,50 +99,29 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
   for (size_t i = 0; i < params.size(); ++i) {
     if (PyObject* st = state_of.find(params[i].ptr())) states[i] = py::reinterpret_borrow<py::object>(st);
   }
-  // Each state's tensors by sorted key; a state's keys are mostly the same str objects as the state before's,
-  // in the same order, whose sorted order then serves again.
+  // Each state's tensors by sorted key.
   std::vector<std::string> out_names;
   std::vector<py::object> out_tensors;
   out_names.reserve(3 * params.size());
   out_tensors.reserve(3 * params.size());
-  std::vector<std::pair<PyObject*, PyObject*>> items;
-  std::vector<PyObject*> last_keys;
-  std::vector<size_t> order;
+  SortedStateKeys keys;
   char prefix[48] = "state.";
   for (size_t i = 0; i < params.size(); ++i) {
     PyObject* st = states[i].ptr();
     if (st == nullptr) continue;
     if (!PyDict_CheckExact(st)) return py::none();
-    items.clear();
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(st, &pos, &key, &value)) {
-      // sorted(state): str keys (Python's sorted would refuse a mix), ASCII here (the Python walk otherwise).
-      if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key)) return py::none();
-      items.emplace_back(key, value);
-    }
-    const bool same_keys = items.size() == last_keys.size() &&
-                           std::equal(items.begin(), items.end(), last_keys.begin(),
-                                      [](const auto& item, PyObject* k) { return item.first == k; });
-    if (!same_keys) {
-      last_keys.clear();
-      for (const auto& item : items) last_keys.push_back(item.first);
-      order.resize(items.size());
-      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      std::sort(order.begin(), order.end(),
-                [&](size_t x, size_t y) { return PyUnicode_Compare(items[x].first, items[y].first) < 0; });
-    }
+    // (str keys, ASCII here: the Python walk names the others.)
+    if (!keys.read(st, /*ascii_only=*/true)) return py::none();
     char* end = std::to_chars(prefix + 6, prefix + sizeof(prefix) - 1, static_cast<int64_t>(i)).ptr;
     *end = '.';
     const size_t a = static_cast<size_t>(end - prefix) + 1;
-    for (size_t k : order) {
-      PyObject* v = items[k].second;
+    for (size_t k : keys.order()) {
+      const auto [key, v] = keys.item(k);
       // (Tensors in a list, tuple or dict, LBFGS's history, are named by the Python walk.)
       if (PyList_Check(v) || PyTuple_Check(v) || PyDict_Check(v)) return py::none();
       if (!is_tensor(v)) continue;
       std::string name(prefix, a);
-      name.append(reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(items[k].first)),
-                  static_cast<size_t>(PyUnicode_GET_LENGTH(items[k].first)));
+      name.append(reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(key)), static_cast<size_t>(PyUnicode_GET_LENGTH(key)));
       out_names.push_back(std::move(name));
       out_tensors.push_back(py::reinterpret_borrow<py::object>(v));
     }

@@ -305,13 +305,14 @@ def _walked_module_tensors(module: torch.nn.Module, include_grads: bool) -> Opti
     walk = getattr(_ext, "walk_module", None)
     if walk is None or _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:
         return None
-    got = walk(module, torch.nn.Module, fsdp.wrapper_classes(), _walked_names.get(module))
+    previous = _walked_names.get(module)
+    got = walk(module, torch.nn.Module, fsdp.wrapper_classes(), previous)
     if got is None:
         return None
     names, tensors, num_params, distinct = got
     if (include_grads and _ext.any_grad(tensors, num_params)) or _converted_by_zero3(tensors, num_params):
         return None
-    if _walked_names.get(module) is not names:
+    if names is not previous:
         _walked_names[module] = names
     return Named(names, tensors, 0, distinct, unsharded=True)
 
@@ -569,11 +570,12 @@ def _walked_optimizer_tensors(optimizer: torch.optim.Optimizer) -> Optional[Name
     walk = getattr(_ext, "walk_optimizer", None)
     if walk is None or strategy_of(optimizer) is not TORCH_OPTIMIZER:
         return None
-    got = walk(optimizer, _walked_optimizer_names.get(optimizer))
+    previous = _walked_optimizer_names.get(optimizer)
+    got = walk(optimizer, previous)
     if got is None:
         return None
     names, tensors = got
-    if _walked_optimizer_names.get(optimizer) is not names:
+    if names is not previous:
         _walked_optimizer_names[optimizer] = names
     return Named(names, tensors, distinct=True, unsharded=True)
 
