@@ -31,7 +31,7 @@ rm -rf "$DIR" && mkdir -p "$DIR/src"
 V="$DIR/venv/bin/python"
 # (No Ray, transformers, DeepSpeed or megatron-core: their tests and the docs' snippets that import them skip,
 # saying so; the adapters read no torch internals of their own.)
-$V -m pip install --disable-pip-version-check -q "$TORCH" numpy "rich>=13" "pytest>=8" "hypothesis>=6" \
+$V -m pip install --disable-pip-version-check -q --no-cache-dir "$TORCH" numpy "rich>=13" "pytest>=8" "hypothesis>=6" \
   "pytest-timeout>=2" "pytest-xdist>=3" "safetensors>=0.4" "build>=1" "matplotlib>=3.7" "pybind11>=2.12" "setuptools>=77" wheel \
   ninja "cmake>=3.24"
 # A copy of the tracked tree, installed in place (the tests start processes that import the package and run

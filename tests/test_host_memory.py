@@ -336,7 +336,8 @@ _PEAKS = textwrap.dedent("""
     state = {"a": torch.ones(n // 2, dtype=torch.uint8), "b": torch.ones(n // 2, dtype=torch.uint8)}
     out = {}
     out["snapshot"], snap = peak_growth(lambda: go.snapshot(state))
-    path = os.path.join(tempfile.mkdtemp(), "s.safetensors")
+    folder = tempfile.TemporaryDirectory()  # removed when the child exits
+    path = os.path.join(folder.name, "s.safetensors")
     out["save"], _ = peak_growth(lambda: go.save(snap, path))
     snap.free()
     out["offload"], _ = peak_growth(lambda: go.offload(state))  # into the freed region

@@ -84,7 +84,8 @@ compiled = torch.compile(m, backend="aot_eager")  # made (and run) before the of
 want = compiled(x).detach().clone()
 before = {k: v.clone() for k, v in m.state_dict().items()}
 sd = m.state_dict()  # taken before the offload: its tensors share the offloaded storages
-path = os.path.join(tempfile.mkdtemp(), "sd.pt")
+folder = tempfile.TemporaryDirectory()  # removed when the child exits
+path = os.path.join(folder.name, "sd.pt")
 go.offload([m, opt])
 assert not torch_ext.available() or all(torch_ext.access_refused(p) for p in m.parameters())
 
