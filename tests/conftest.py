@@ -107,9 +107,10 @@ def node_budget(directory: Any, max_bytes: int) -> Iterator[None]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # `checks`' modes: a test module that sets CHECKS_WALK = True also runs its tests a third time ("walk").
+    # `checks`' modes: a test module that sets CHECKS_WALK = True also runs its tests with the module walks
+    # ("walk") and with every check in parts on threads ("parts").
     if "checks" in metafunc.fixturenames:
-        modes = ["helper", "python"] + (["walk"] if getattr(metafunc.module, "CHECKS_WALK", False) else [])
+        modes = ["helper", "python"] + (["walk", "parts"] if getattr(metafunc.module, "CHECKS_WALK", False) else [])
         metafunc.parametrize("checks", modes, indirect=True)
 
 
@@ -119,11 +120,13 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
     target records, module traversals, batched resizes and watches), and again with the pure-Python path
     it takes where the helper is not loaded (GPU_OFFLOAD_TORCH_EXT=0). "walk" (test modules that ask for it):
     the helper without its recorded module traversals, as on a Python whose dicts lack version tags (3.13 and
-    later), where a plain module and a torch optimizer are walked in C++ each call (walk_module, walk_optimizer)."""
+    later), where a plain module and a torch optimizer are walked in C++ each call (walk_module, walk_optimizer).
+    "parts": the helper with each record's check split into three parts, two on threads of their own, however
+    few the tensors (a large target's check is split so; a test's targets are small)."""
     from gpu_offload import adapters, plan, registry, storages
     from gpu_offload.adapters import fsdp
 
-    if request.param in ("helper", "walk") and torch_ext.ext is None:
+    if request.param in ("helper", "walk", "parts") and torch_ext.ext is None:
         pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
     if request.param == "walk":
         if not hasattr(torch_ext.ext, "walk_module"):
@@ -134,9 +137,20 @@ def checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> A
     if request.param == "python":
         for module in (plan, registry, adapters, storages, fsdp):
             monkeypatch.setattr(module, "_ext", None)
+    parts = None
+    if request.param == "parts":
+        parts = getattr(torch_ext.ext.TargetRecord, "set_check_parts", None)
+        if parts is None:
+            pytest.skip("this helper checks in one part")
+        _, per_thread = torch_ext.ext.TargetRecord.check_parts()
+        parts(3, 1)
     plan.clear_cache()
-    yield request.param
-    plan.clear_cache()
+    try:
+        yield request.param
+    finally:
+        if parts is not None:
+            parts(0, per_thread)
+        plan.clear_cache()
 
 
 @pytest.fixture

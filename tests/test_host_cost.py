@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
 import sys
 from typing import Any
 
@@ -27,7 +28,7 @@ from gpu_offload import adapters, plan, torch_ext
 from gpu_offload.adapters import named_tensors, plain_module_tensors
 
 pytestmark = pytest.mark.usefixtures("checks")
-CHECKS_WALK = True  # (conftest.checks: each test also runs with plain modules walked by walk_module, no record)
+CHECKS_WALK = True  # (conftest.checks: each test also runs with modules walked each call, and with checks in parts)
 
 needs_ext = pytest.mark.skipif(not torch_ext.available(), reason=f"gpu_offload._torch_ext {torch_ext.status()}")
 
@@ -1179,6 +1180,127 @@ def test_a_records_check_bumps_only_once_every_tensor_passed(checks):
         ts.append(torch.randn(2))  # an inference tensor has no version counter: skipped
     fresh = torch_ext.ext.record(ts)
     assert fresh.check(ts, True) and [t._version for t in ts[:-1]] == [v + 1 for v in before]
+
+
+# -- a check in parts, on threads of their own ------------------------------------------------------------------
+@pytest.fixture
+def in_parts(checks):
+    """Every record's check split into three parts (two on threads of their own), however few its tensors.
+    (These tests ask records directly: once, not in each of `checks`' modes.)"""
+    if checks != "helper":
+        pytest.skip("records asked directly: once")
+    record_type = getattr(torch_ext.ext, "TargetRecord", None)
+    if record_type is None or not hasattr(record_type, "set_check_parts"):
+        pytest.skip("this helper checks in one part")
+    _, per_thread = record_type.check_parts()
+    record_type.set_check_parts(3, 1)
+    try:
+        yield record_type
+    finally:
+        record_type.set_check_parts(0, per_thread)
+
+
+def _nine_tensors() -> list[torch.Tensor]:
+    base = torch.randn(12)
+    # (Views of one storage in the first and the last part: its storage's facts are checked with the first.)
+    return [base[:4], torch.randn(3), torch.randn(2, 2), torch.randn(5), torch.randn(3), torch.randn(1),
+            torch.randn(2), torch.randn(4), base[4:]]
+
+
+_CHANGES = {
+    ".data": lambda ts, i: setattr(ts[i], "data", torch.randn(ts[i].shape)),
+    "replaced": lambda ts, i: ts.__setitem__(i, ts[i].clone()),
+    "t_": lambda ts, i: ts[i].t_() if ts[i].dim() == 2 else ts[i].unsqueeze_(0),
+    "offset": lambda ts, i: ts[i].set_(ts[i].untyped_storage(), ts[i].storage_offset() + 1, (ts[i].numel() - 1,)),
+    "dtype view": lambda ts, i: setattr(ts[i], "data", ts[i].view(torch.int32)),
+    "resized": lambda ts, i: ts[i].untyped_storage().resize_(ts[i].untyped_storage().nbytes() + 4),
+    "conj": lambda ts, i: setattr(ts[i], "data", ts[i].to(torch.complex64).conj()),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_check_in_parts_sees_a_change_in_every_part(in_parts, change):
+    # Three parts of three tensors: a change at any position is found, by whichever thread checks it, and a
+    # part that passed does not make the whole pass. check_held answers as check does.
+    for i in range(9):
+        ts = _nine_tensors()
+        record = torch_ext.ext.record(ts)
+        assert record.check(ts) and record.check_held(ts) is not None and record.check(ts, True)
+        _CHANGES[change](ts, i)
+        assert not record.check(ts), (change, i)
+        assert record.check_held(ts) is None, (change, i)
+        assert not record.check(ts, True), (change, i)
+
+
+@needs_ext
+def test_a_check_in_parts_bumps_every_version_once_as_one_part_does(in_parts):
+    ts = _nine_tensors()
+    with torch.inference_mode():
+        ts.insert(4, torch.randn(2))  # (no counter: skipped, in the middle part)
+    record = torch_ext.ext.record(ts)
+    counted = [t for i, t in enumerate(ts) if i != 4]
+    before = [t._version for t in counted]
+    assert record.check(ts, True)
+    in_parts.set_check_parts(1, 1)
+    assert record.check(ts, True)
+    # The two views of `base` (first and last part) share one counter: each check bumps it once per view.
+    expected = [v + 2 * (2 if i in (0, 8) else 1) for i, v in enumerate(before)]
+    assert [t._version for t in counted] == expected
+
+
+@needs_ext
+def test_a_check_in_parts_holds_the_live_storages_in_order(in_parts):
+    ts = _nine_tensors()
+    ts[5].untyped_storage().resize_(0)  # (held nothing when recorded: not live, not held)
+    ts[5] = ts[5].detach()
+    ts[5].set_(ts[5].untyped_storage(), 0, (0,))
+    record = torch_ext.ext.record(ts)
+    held = record.check_held(ts)
+    assert held is not None
+    # Released through what the check held, in one pass: exactly the live storages, in their order.
+    record.resize_live(ts, True, False, held)
+    assert [t.untyped_storage().nbytes() for t in ts] == [0] * len(ts)
+    record.resize_live(ts, False, False, None)
+    assert [t.untyped_storage().nbytes() for t in ts] == [48, 12, 16, 20, 12, 0, 8, 16, 48]
+
+
+@needs_ext
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="this torch has no copy-on-write storages")
+def test_a_check_in_parts_leaves_a_copy_on_write_storage_to_the_calling_thread(arena, in_parts):
+    # Materializing a storage shared copy-on-write allocates and copies: a part's thread answers "unsure" and
+    # the whole check runs again on the caller's thread, which gives the tensor memory of its own.
+    target = {f"t{i}": torch.zeros(100) for i in range(9)}
+    snap = go.snapshot(target, arena=arena)
+    go.restore(target, snap)  # (cached: the next restore is the record's check)
+    with torch.no_grad():
+        target["t8"].fill_(1.0)
+    clone = torch._lazy_clone(target["t8"])
+    go.restore(target, snap)
+    snap.free()
+    assert all(bool((t == 0).all()) for t in target.values()) and bool((clone == 1).all())
+
+
+@needs_ext
+def test_check_parts_come_from_the_copy_threads_setting_and_refuse_nonsense(in_parts, monkeypatch):
+    # threads 0: read again from GPU_OFFLOAD_NUM_THREADS at the next check, as the copy pool reads it (at most
+    # 16); what the pool refuses counts as the cores here (the pool says what is wrong at the first copy).
+    cores = min(os.cpu_count() or 1, 16)
+    got = {}
+    for value in ("3", "40", "0", "two", "", None):
+        if value is None:
+            monkeypatch.delenv("GPU_OFFLOAD_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("GPU_OFFLOAD_NUM_THREADS", value)
+        in_parts.set_check_parts(0, 8192)
+        got[value] = in_parts.check_parts()
+    assert got == {"3": (3, 8192), "40": (16, 8192), "0": (cores, 8192), "two": (cores, 8192), "": (cores, 8192),
+                   None: (cores, 8192)}
+    in_parts.set_check_parts(5, 7)
+    for threads, per in ((-1, 8192), (65, 8192), (2, 0)):
+        with pytest.raises(ValueError, match="check threads"):
+            in_parts.set_check_parts(threads, per)
+    assert in_parts.check_parts() == (5, 7)  # (a refused setting changes nothing)
 
 
 # -- the cost of a changed target is in the debug log ----------------------------------------------------------

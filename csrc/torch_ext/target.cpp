@@ -27,10 +27,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <memory>
+#include <system_error>
+#include <thread>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -305,6 +308,57 @@ bool distinct_names(py::handle names, Py_ssize_t n) {
   return true;
 }
 
+// A check's per-tensor pass in parts, on threads of their own. The pass is bound by memory latency (a
+// tensor's object, TensorImpl and storage are three scattered reads, and prefetching keeps only a few in
+// flight per core), so a second core nearly halves it: a cached snapshot of 65536 tensors waits on this pass
+// before its first copy, while the copy threads idle. The threads only read (no Python API, no reference
+// count), under the GIL that this thread holds until they are joined: nothing can change what they read.
+// Started per call and joined before it returns (nothing lives on for a fork to find); a thread that cannot
+// be started leaves its part to this one.
+std::atomic<int> g_check_threads{0};  // 0: not yet read
+std::atomic<int64_t> g_min_tensors_per_thread{8192};  // below this, a second thread costs more than it saves
+
+int check_threads() {
+  int n = g_check_threads.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  // As the copy pool counts its threads (csrc/core/thread_pool.cpp): GPU_OFFLOAD_NUM_THREADS, else the cores,
+  // at most 16. A value the pool refuses (it says so at the first copy) counts as the cores here.
+  long want = static_cast<long>(std::max(1u, std::thread::hardware_concurrency()));
+  if (const char* env = std::getenv("GPU_OFFLOAD_NUM_THREADS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (end != nullptr && *end == '\0' && v >= 1) want = v;
+  }
+  n = static_cast<int>(std::min<long>(want, 16));
+  g_check_threads.store(n, std::memory_order_relaxed);
+  return n;
+}
+
+size_t num_parts(Py_ssize_t n) {
+  const int64_t per = std::max<int64_t>(1, g_min_tensors_per_thread.load(std::memory_order_relaxed));
+  return static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(check_threads(), n / per)));
+}
+
+// part(k, begin, end) for each of num_parts contiguous parts of [0, n), part 0 here; returns once all ran.
+// `part` must not throw.
+template <typename Part>
+void run_parts(Py_ssize_t n, size_t parts, const Part& part) {
+  const auto bound = [&](size_t k) { return static_cast<Py_ssize_t>(static_cast<__int128>(n) * k / parts); };
+  std::vector<std::thread> threads;
+  std::vector<size_t> here;  // parts whose thread could not be started
+  threads.reserve(parts - 1);
+  for (size_t k = 1; k < parts; ++k) {
+    try {
+      threads.emplace_back([&part, k, b = bound(k), e = bound(k + 1)] { part(k, b, e); });
+    } catch (const std::system_error&) {
+      here.push_back(k);
+    }
+  }
+  part(0, bound(0), bound(1));
+  for (size_t k : here) part(k, bound(k), bound(k + 1));
+  for (std::thread& t : threads) t.join();
+}
+
 }  // namespace
 
 TargetRecord::TargetRecord(py::handle list) {
@@ -490,9 +544,9 @@ bool TargetRecord::same_views(py::handle list) const { return check_impl<false>(
 bool TargetRecord::check(py::handle list, bool bump) const {
   if (!bump) return check_impl<false>(list, nullptr);
   static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "Counter::object reads VariableVersion's one pointer");
-  // Each tensor's version counter, as the check reads its TensorImpl, for the bump once every tensor passed.
-  std::vector<Counter> counters;
-  counters.reserve(tensors_.size());
+  // Each tensor's version counter, as the check reads its TensorImpl, for the bump once every tensor passed
+  // (a check in parts: each part's, bumped by a thread of its own).
+  std::vector<std::vector<Counter>> counters;
   if (!check_impl<false>(list, nullptr, /*memory=*/true, &counters)) return false;
   // Every TensorImpl is the one recorded, alive (its object in `list` holds it) and, the GIL held since the
   // check, still that object's, with the counter it had then. A counter is an object of its own
@@ -500,14 +554,34 @@ bool TargetRecord::check(py::handle list, bool bump) const {
   // bump through the TensorImpl waited for the TensorImpl's line and then the counter's, one tensor at a
   // time behind each locked increment (65536 tensors: the bump's share of check(bump=True) 0.68 -> 0.57 ms;
   // in a cached restore under perf, 13.3% -> 8.8% of the samples; the locked increments are most of the rest).
-  const size_t n = counters.size();
-  constexpr size_t kCounterAhead = 16;
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kCounterAhead < n) {
-      __builtin_prefetch(counters[i + kCounterAhead].version);  // (the pointer bump() reads again)
-      __builtin_prefetch(counters[i + kCounterAhead].object, 1);
+  // Views in two parts share a counter: the increment is atomic.
+  const auto bump_part = [](const std::vector<Counter>& part) {
+    const size_t n = part.size();
+    constexpr size_t kCounterAhead = 16;
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kCounterAhead < n) {
+        __builtin_prefetch(part[i + kCounterAhead].version);  // (the pointer bump() reads again)
+        __builtin_prefetch(part[i + kCounterAhead].object, 1);
+      }
+      part[i].version->bump();
     }
-    counters[i].version->bump();
+  };
+  if (counters.size() == 1) {
+    bump_part(counters[0]);
+    return true;
+  }
+  // (bump() throws only for a counter-less tensor outside inference mode, which has none recorded here; a
+  // part that threw anyway is bumped again on this thread, for torch's error.)
+  std::vector<char> threw(counters.size(), 0);
+  run_parts(static_cast<Py_ssize_t>(counters.size()), counters.size(), [&](size_t k, Py_ssize_t, Py_ssize_t) {
+    try {
+      bump_part(counters[k]);
+    } catch (...) {
+      threw[k] = 1;
+    }
+  });
+  for (size_t k = 0; k < counters.size(); ++k) {
+    if (threw[k]) bump_part(counters[k]);
   }
   return true;
 }
@@ -520,15 +594,82 @@ py::object TargetRecord::check_held(py::handle list) const {
   return py::cast(held.release(), py::return_value_policy::take_ownership);
 }
 
+void TargetRecord::set_check_parts(int threads, int64_t min_tensors_per_thread) {
+  if (threads < 0 || threads > 64 || min_tensors_per_thread < 1) {
+    throw py::value_error("check threads: 0 (as configured) to 64; at least 1 tensor per thread");
+  }
+  g_check_threads.store(threads, std::memory_order_relaxed);  // (0: read again from the environment)
+  g_min_tensors_per_thread.store(min_tensors_per_thread, std::memory_order_relaxed);
+}
+
+py::tuple TargetRecord::check_parts() { return py::make_tuple(check_threads(), g_min_tensors_per_thread.load()); }
+
 template <bool kHold>
 bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory,
-                              std::vector<Counter>* counters) const {
+                              std::vector<std::vector<Counter>>* counters) const {
   if (!PyList_CheckExact(list.ptr())) return false;
   Items items = items_of(list);
   const Py_ssize_t n = items.size;
   if (n != static_cast<Py_ssize_t>(tensors_.size())) return false;
+  const size_t parts = num_parts(n);
+  if (parts > 1) {
+    struct Part {
+      Verdict verdict = Verdict::kUnsure;
+      std::vector<c10::intrusive_ptr<c10::StorageImpl>> held;
+      std::vector<Counter> counters;
+    };
+    std::vector<Part> out(parts);
+    run_parts(n, parts, [&](size_t k, Py_ssize_t begin, Py_ssize_t end) {
+      Part& p = out[k];
+      try {
+        if (counters != nullptr) p.counters.reserve(static_cast<size_t>(end - begin));
+        p.verdict = check_range<kHold>(items, begin, end, memory, /*worker=*/true, &p.held,
+                                       counters != nullptr ? &p.counters : nullptr);
+      } catch (...) {  // (sizes() of a TensorImpl with a policy of its own may throw)
+        p.verdict = Verdict::kUnsure;
+      }
+    });
+    bool unsure = false;
+    for (const Part& p : out) {
+      if (p.verdict == Verdict::kChanged) return false;
+      unsure = unsure || p.verdict == Verdict::kUnsure;
+    }
+    if (!unsure) {
+      for (Part& p : out) {
+        if constexpr (kHold) {
+          held->insert(held->end(), std::make_move_iterator(p.held.begin()), std::make_move_iterator(p.held.end()));
+        }
+        if (counters != nullptr) counters->push_back(std::move(p.counters));
+      }
+      if constexpr (kHold) {
+        if (held->size() != live_.size()) return false;  // (cannot differ: live_ is made the same way)
+      }
+      return true;
+    }
+    // Something only this thread may do (a copy-on-write storage to materialize, a TensorImpl whose sizes
+    // are Python's): the whole pass again, here. (What the parts held is dropped with them.)
+  }
+  std::vector<Counter>* mine = nullptr;
+  if (counters != nullptr) {
+    counters->assign(1, {});
+    mine = &counters->front();
+    mine->reserve(static_cast<size_t>(n));
+  }
+  if (check_range<kHold>(items, 0, n, memory, /*worker=*/false, held, mine) != Verdict::kSame) return false;
+  if constexpr (kHold) {
+    if (held->size() != live_.size()) return false;  // (cannot differ: live_ is made the same way)
+  }
+  return true;
+}
+
+template <bool kHold>
+TargetRecord::Verdict TargetRecord::check_range(const Items& items, Py_ssize_t begin, Py_ssize_t end, bool memory,
+                                                bool worker,
+                                                std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held,
+                                                std::vector<Counter>* counters) const {
+  const Py_ssize_t n = items.size;
   const int64_t* dims = dims_.data();
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  for (Py_ssize_t i = begin; i < end; ++i) {
     // (All of the TensorImpl ahead: storage, sizes and strides, offset, dtype and key set span three lines.)
     c10::TensorImpl* ahead = prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
     if (ahead != nullptr) prefetch_whole<c10::TensorImpl>(ahead);
@@ -541,18 +682,20 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
     PyObject* obj = items.data[i];
     // The same object of the same exact type (so it is a THPVariable), with the same TensorImpl (swap_tensors
     // exchanges them) ...
-    if (obj != t.obj || Py_TYPE(obj) != t.type) return false;
+    if (obj != t.obj || Py_TYPE(obj) != t.type) return Verdict::kChanged;
     c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-    if (impl != t.impl || !impl->has_storage() || impl->has_symbolic_sizes_strides()) return false;
+    if (impl != t.impl || !impl->has_storage() || impl->has_symbolic_sizes_strides()) return Verdict::kChanged;
+    // (A TensorImpl that dispatches to Python may answer its sizes through Python: not without the GIL.)
+    if (worker && impl->is_python_dispatch()) return Verdict::kUnsure;
     // `.data = t.conj()` keeps the TensorImpl, storage and view but sets a conjugate (or negative) bit,
     // which bind() refuses.
-    if (impl->is_conj() || impl->is_neg()) return false;
+    if (impl->is_conj() || impl->is_neg()) return Verdict::kChanged;
     // ... on the same storage, viewing it the same way (`.data =`, set_(), t_(), resize_(), as_strided_()
     // change these in place).
     c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
     const StorageFacts& s = storages_[static_cast<size_t>(t.storage)];
-    if (storage != s.impl) return false;
-    if (impl->storage_offset() != t.offset || impl->dtype() != t.dtype || impl->dim() != t.dim) return false;
+    if (storage != s.impl) return Verdict::kChanged;
+    if (impl->storage_offset() != t.offset || impl->dtype() != t.dtype || impl->dim() != t.dim) return Verdict::kChanged;
     if (counters != nullptr && !t.inference) {
       // (An inference tensor has no counter, and bump_version() skips it: so does the bump.)
       auto& version = const_cast<c10::VariableVersion&>(impl->version_counter());
@@ -561,14 +704,16 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
     c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
     const int64_t* rec = dims + t.dims_at;
     for (int32_t d = 0; d < t.dim; ++d) {
-      if (sizes[d] != rec[d] || strides[d] != rec[t.dim + d]) return false;
+      if (sizes[d] != rec[d] || strides[d] != rec[t.dim + d]) return Verdict::kChanged;
     }
     // The storage, with its first tensor (so alive: this tensor is on it): same memory, same size (a
     // storage resized, or released and re-allocated, keeps its StorageImpl), same device, still resizable.
     if (t.first && memory) {
+      // (Materializing a copy-on-write storage allocates and copies: this thread's work, not a part's.)
+      if (worker && must_materialize(storage)) return Verdict::kUnsure;
       if (data_of(storage) != s.data || storage->nbytes() != s.nbytes || storage->device() != s.device ||
           regrowable(storage) != s.resizable) {
-        return false;
+        return Verdict::kChanged;
       }
       // A live storage (live_ lists them in the order of their first tensors), while its line is at hand.
       if constexpr (kHold) {
@@ -576,10 +721,7 @@ bool TargetRecord::check_impl(py::handle list, std::vector<c10::intrusive_ptr<c1
       }
     }
   }
-  if constexpr (kHold) {
-    if (held->size() != live_.size()) return false;  // (cannot differ: live_ is made the same way)
-  }
-  return true;
+  return Verdict::kSame;
 }
 
 bool TargetRecord::refresh(py::handle list) {

@@ -303,6 +303,12 @@ PYBIND11_MODULE(_torch_ext, m) {
            "Zeroes the recorded live storages of `tensors` (those `held` holds, if given) that are CPU storages; "
            "answers the tensors to zero with torch for the CUDA ones (each one's first tensor, viewing all of it), "
            "or None, nothing zeroed, where one does not.")
+      .def_static("set_check_parts", &TargetRecord::set_check_parts, py::arg("threads"),
+                  py::arg("min_tensors_per_thread"),
+                  "How a check splits its tensors over threads: `threads` at most (0: GPU_OFFLOAD_NUM_THREADS, "
+                  "else the cores, at most 16), each with `min_tensors_per_thread` at least.")
+      .def_static("check_parts", &TargetRecord::check_parts,
+                  "(threads, min_tensors_per_thread) as the next check splits its tensors.")
       .def("live", &TargetRecord::live, "(first tensor index, recorded nbytes) of each live storage.")
       .def_property_readonly("all_resizable", &TargetRecord::all_resizable)
       .def_property_readonly("num_tensors", &TargetRecord::num_tensors)

@@ -267,6 +267,10 @@ class TargetRecord {
   // (stream_id, device_index, device_type)}, all checked before the first record. Returns how many.
   size_t record_streams_live(py::handle list, py::handle held, py::dict streams) const;
   bool all_resizable() const { return all_resizable_; }
+  // The checks' threads: `threads` at most (0: GPU_OFFLOAD_NUM_THREADS, else the cores; at most 16), each with
+  // `min_tensors_per_thread` tensors at least (fewer: fewer threads; one below twice that).
+  static void set_check_parts(int threads, int64_t min_tensors_per_thread);
+  static py::tuple check_parts();  // (threads, min_tensors_per_thread) as the next check reads them
   size_t num_tensors() const { return tensors_.size(); }
   size_t num_storages() const { return storages_.size(); }
 
@@ -297,10 +301,17 @@ class TargetRecord {
     c10::VariableVersion* version;
     const void* object;  // (read while the check had the TensorImpl's line: only asked for ahead, never read)
   };
-  // counters: where not nullptr, each checked tensor's Counter (none for an inference tensor), in order.
+  // counters: where not nullptr, each checked tensor's Counter (none for an inference tensor), in order, in
+  // one vector per part of the check.
   template <bool kHold>
   bool check_impl(py::handle list, std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, bool memory = true,
-                  std::vector<Counter>* counters = nullptr) const;
+                  std::vector<std::vector<Counter>>* counters = nullptr) const;
+  // check_impl's pass over tensors [begin, end). worker: on a thread of a check in parts (no GIL of its own):
+  // kUnsure where only the calling thread may go on (see check_impl).
+  enum class Verdict { kSame, kChanged, kUnsure };
+  template <bool kHold>
+  Verdict check_range(const Items& items, Py_ssize_t begin, Py_ssize_t end, bool memory, bool worker,
+                      std::vector<c10::intrusive_ptr<c10::StorageImpl>>* held, std::vector<Counter>* counters) const;
   std::vector<c10::StorageImpl*> live_storages(py::handle list) const;
   // `held` when it is this record's unspent HeldStorages, all of whose storages it still holds (`from`: or
   // those from `from` on, a resize in parts going on), else nullptr.
