@@ -242,6 +242,20 @@ def gather_max_bytes() -> int:
     return DEFAULT_GATHER_MAX_BYTES if value is None else max(0, value)
 
 
+_index_ints: list[int] = []
+
+
+def _indices(n: int) -> list[int]:
+    """[0, 1, 2, ...], at least n of them: the same int objects for every plan's index lists, so that a first
+    call on a target of 65536 storages makes no int per storage for them (about 2 ms there). Grown, never
+    changed in place (a list another thread is reading stays as it was)."""
+    global _index_ints
+    ints = _index_ints
+    if len(ints) < n:
+        ints = _index_ints = list(range(max(n, 2 * len(ints))))
+    return ints  # (this call's own: another thread may have set a shorter one since)
+
+
 class TargetPlan:
     """A target's layout and copy plans, valid while its tensors are the same objects at the same addresses.
 
@@ -323,7 +337,7 @@ class TargetPlan:
         if same:
             self.live, self._groups = like.live, like._groups
         else:
-            self.live = list(itertools.compress(range(len(layout_nbytes)), layout_nbytes))
+            self.live = list(itertools.compress(_indices(len(layout_nbytes)), layout_nbytes))
             if len(bound.layout.devices) == 1:  # (the layout's own, counted once and kept)
                 groups = {devices[0]: self.live} if self.live else {}
             else:
