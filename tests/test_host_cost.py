@@ -1282,6 +1282,36 @@ def test_a_check_in_parts_leaves_a_copy_on_write_storage_to_the_calling_thread(a
 
 
 @needs_ext
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_checks_in_parts_on_threads_of_its_own(in_parts, arena):
+    # The parts' threads live for one call: a child forked after checks in parts starts its own, and sees a
+    # change in the last part as the parent would.
+    target = {f"t{i}": torch.full((5,), float(i)) for i in range(9)}
+    snap = go.snapshot(target, arena=arena).wait()
+    go.restore(target, snap)  # (cached: the check in parts, on threads, in the parent)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with torch.no_grad():
+                for t in target.values():
+                    t.zero_()
+            hits, misses = plan._stats["hits"], plan._stats["misses"]
+            go.restore(target, snap)  # (the cached plan: its check in parts, in the child)
+            same = all(bool((t == float(i)).all()) for i, t in enumerate(target.values()))
+            served = plan._stats["hits"] == hits + 1
+            target["t8"].data = torch.zeros(5)  # (another storage: the record must not serve it)
+            go.restore(target, snap)
+            seen = plan._stats["misses"] == misses + 1 and bool((target["t8"] == 8.0).all())
+            code = 0 if same and served and seen else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    snap.free()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_ext
 def test_check_parts_come_from_the_copy_threads_setting_and_refuse_nonsense(in_parts, monkeypatch):
     # threads 0: read again from GPU_OFFLOAD_NUM_THREADS at the next check, as the copy pool reads it (at most
     # 16); what the pool refuses counts as the cores here (the pool says what is wrong at the first copy).
