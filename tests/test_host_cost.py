@@ -1281,6 +1281,36 @@ def test_a_check_in_parts_leaves_a_copy_on_write_storage_to_the_calling_thread(a
     assert all(bool((t == 0).all()) for t in target.values()) and bool((clone == 1).all())
 
 
+def _mixed_tensors() -> list[torch.Tensor]:
+    base = torch.arange(24.0)
+    with torch.inference_mode():
+        inference = torch.ones(3)
+    return [base[:6].view(2, 3), torch.tensor(5.0), torch.zeros(0), torch.randn(2, 3, 4).transpose(0, 2),
+            torch.ones(7, dtype=torch.bfloat16), base[6:], torch.randn(4, 4).t(), inference,
+            torch.empty(5, dtype=torch.int8)[1:], base, torch.nn.Parameter(torch.randn(3, 1))]
+
+
+@needs_ext
+def test_a_record_made_in_parts_is_the_record_made_in_one(in_parts):
+    # Made in parts on threads (each thread a slice of the tensors' facts and their dims, this thread the
+    # storages in order): the same layout, columns, storages and checks as the record one thread makes.
+    ts = _mixed_tensors()
+    for threads in (2, 3, 4, 11):
+        in_parts.set_check_parts(threads, 1)
+        made = torch_ext.ext.record(ts)
+        in_parts.set_check_parts(1, 1)
+        one = torch_ext.ext.record(ts)
+        assert made.same_layout(one) and one.same_layout(made)
+        assert made.tensor_columns() == one.tensor_columns()
+        assert (made.keys(), made.storage_nbytes(), made.first_tensor(), made.live()) == (
+            one.keys(), one.storage_nbytes(), one.first_tensor(), one.live())
+        assert made.check(ts) and made.same_views(ts) and made.all_resizable == one.all_resizable
+    in_parts.set_check_parts(3, 1)
+    for bad in (torch.ones(2).as_subclass(type("Sub", (torch.Tensor,), {})), torch.ones(2, dtype=torch.complex64).conj(),
+                3):
+        assert torch_ext.ext.record(ts[:5] + [bad] + ts[5:]) is None  # (refused, as one thread refuses it)
+
+
 @needs_ext
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 def test_a_forked_child_checks_in_parts_on_threads_of_its_own(in_parts, arena):

@@ -361,19 +361,42 @@ void run_parts(Py_ssize_t n, size_t parts, const Part& part) {
 
 }  // namespace
 
+// Whether a tensor's TensorImpl is one a record takes: what storages.check_tensor() refuses, the Python bind
+// then says (a TargetRecord is only of what it accepts).
+bool recordable(c10::TensorImpl* impl) {
+  return impl->has_storage() && impl->layout() == c10::kStrided && !impl->is_nested() &&
+         !impl->has_symbolic_sizes_strides() && !impl->is_conj() && !impl->is_neg() && !impl->is_quantized() &&
+         one_pass_device(impl->device()) && impl->dtype().isScalarType();
+}
+
 TargetRecord::TargetRecord(py::handle list) {
   Items items = items_of(list);
+  static std::atomic<uint64_t> next_id{1};
+  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
+  const size_t parts = num_parts(items.size);
+  if (parts <= 1 || !record_in_parts(items, parts)) record_here(items);
+  shrink_if_slack(storages_);
+  shrink_if_slack(first_tensor_);
+  shrink_if_slack(live_);
+  shrink_if_slack(dims_);
+  summarize();
+}
+
+void TargetRecord::record_here(const Items& items) {
   // Sized once (a storage per tensor at most; the dims as the first tensor has them) rather than grown by
   // doubling, each regrowth a copy into fresh pages (a bind of 65536 one-tensor storages: 15.5 -> 14.2 ms).
   // What is reserved and never written costs no page; what is far too much is cut down after the loop.
   const size_t n = static_cast<size_t>(items.size);
+  tensors_.clear();
+  dims_.clear();
+  storages_.clear();
+  first_tensor_.clear();
+  live_.clear();
   tensors_.reserve(n);
   storages_.reserve(n);
   first_tensor_.reserve(n);
   live_.reserve(n);
   StorageIndex index_of(n);
-  static std::atomic<uint64_t> next_id{1};
-  id_ = next_id.fetch_add(1, std::memory_order_relaxed);
   // Three stages ahead of the tensor read: its object (2 * kAhead), its whole TensorImpl (kAhead: the checks
   // below read lines past the first), then (kAhead / 2, once that TensorImpl's first line is in) its
   // StorageImpl and the index slot the storage is looked up at.
@@ -392,11 +415,7 @@ TargetRecord::TargetRecord(py::handle list) {
     PyObject* obj = items.data[i];
     if (!plain_tensor(obj)) throw NotPlain("item " + std::to_string(i) + " is not a plain tensor");
     c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-    // (What storages.check_tensor() refuses, the Python bind then says; a TargetRecord is only of what it
-    // accepts.)
-    if (!impl->has_storage() || impl->layout() != c10::kStrided || impl->is_nested() ||
-        impl->has_symbolic_sizes_strides() || impl->is_conj() || impl->is_neg() || impl->is_quantized() ||
-        !one_pass_device(impl->device())) {
+    if (!recordable(impl)) {
       throw NotPlain("item " + std::to_string(i) + " has no plain strided CPU/CUDA storage (or a conjugate/negative bit)");
     }
     c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
@@ -414,7 +433,7 @@ TargetRecord::TargetRecord(py::handle list) {
     t.first = fresh;
     t.inference = impl->is_inference();
     t.offset = impl->storage_offset();
-    t.dtype = impl->dtype();
+    t.dtype = c10::typeMetaToScalarType(impl->dtype());
     t.dim = static_cast<int32_t>(impl->dim());
     t.dims_at = static_cast<int32_t>(dims_.size());
     if (i == 0) dims_.reserve(2 * static_cast<size_t>(std::max<int64_t>(impl->dim(), 1)) * n);
@@ -422,11 +441,100 @@ TargetRecord::TargetRecord(py::handle list) {
     for (int64_t d : impl->strides()) dims_.push_back(d);
     tensors_.push_back(t);
   }
-  shrink_if_slack(storages_);
-  shrink_if_slack(first_tensor_);
-  shrink_if_slack(live_);
-  shrink_if_slack(dims_);
-  summarize();
+}
+
+bool TargetRecord::record_in_parts(const Items& items, size_t parts) {
+  // 1. In parts, on threads: each tensor's facts but its storage's index, its StorageImpl, its sizes and
+  //    strides into the part's own list. Reads only, as a check in parts (see run_parts); each thread writes
+  //    its own slice of tensors_ (sized here without a write, so that each thread faults in its own pages).
+  const Py_ssize_t n = items.size;
+  tensors_.resize(static_cast<size_t>(n));
+  UninitializedVector<c10::StorageImpl*> storage_of(static_cast<size_t>(n));
+  enum class Read { kDone, kHere };  // kHere: the calling thread's record (it reads or refuses what a part may not)
+  struct Part {
+    Read read = Read::kHere;
+    std::vector<int64_t> dims;
+    Py_ssize_t begin = 0, end = 0;
+    size_t dims_at = 0;
+  };
+  std::vector<Part> out(parts);
+  run_parts(n, parts, [&](size_t k, Py_ssize_t begin, Py_ssize_t end) {
+    Part& p = out[k];
+    p.begin = begin;
+    p.end = end;
+    try {
+      p.dims.reserve(4 * static_cast<size_t>(end - begin));  // (two dims each: a weight's)
+      for (Py_ssize_t i = begin; i < end; ++i) {
+        c10::TensorImpl* ahead = prefetch_tensor(item_or_null(items, i + 2 * kAhead), item_or_null(items, i + kAhead));
+        if (ahead != nullptr) prefetch_whole<c10::TensorImpl>(ahead);
+        PyObject* obj = items.data[i];
+        if (!plain_tensor(obj)) return;
+        c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+        // (A TensorImpl that dispatches to Python may answer its sizes, device or offset through Python.)
+        if (impl->is_python_dispatch() || !recordable(impl)) return;
+        TensorFacts& t = tensors_[static_cast<size_t>(i)];
+        t.obj = obj;
+        t.type = Py_TYPE(obj);
+        t.impl = impl;
+        t.storage = -1;
+        t.first = false;
+        t.inference = impl->is_inference();
+        t.offset = impl->storage_offset();
+        t.dtype = c10::typeMetaToScalarType(impl->dtype());
+        t.dim = static_cast<int32_t>(impl->dim());
+        t.dims_at = static_cast<int32_t>(p.dims.size());  // (in the part's list, until 3.)
+        for (int64_t d : impl->sizes()) p.dims.push_back(d);
+        for (int64_t d : impl->strides()) p.dims.push_back(d);
+        storage_of[static_cast<size_t>(i)] = impl->unsafe_storage().unsafeGetStorageImpl();
+      }
+      p.read = Read::kDone;
+    } catch (...) {
+      p.read = Read::kHere;
+    }
+  });
+  size_t num_dims = 0;
+  for (Part& p : out) {
+    if (p.read != Read::kDone || num_dims + p.dims.size() > static_cast<size_t>(INT32_MAX)) {
+      tensors_.clear();
+      return false;
+    }
+    p.dims_at = num_dims;
+    num_dims += p.dims.size();
+  }
+  // 2. Here: the storages, in the order of their first tensors (a copy-on-write one materialized, as
+  //    record_here does), and each tensor's storage index; its dims' place in dims_ as it goes.
+  storages_.reserve(static_cast<size_t>(n));
+  first_tensor_.reserve(static_cast<size_t>(n));
+  live_.reserve(static_cast<size_t>(n));
+  StorageIndex index_of(static_cast<size_t>(n));
+  constexpr Py_ssize_t kStorageAhead = 8;
+  size_t k = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kStorageAhead < n) {
+      const c10::StorageImpl* next = storage_of[static_cast<size_t>(i + kStorageAhead)];
+      __builtin_prefetch(next);
+      index_of.prefetch(next);
+    }
+    while (i >= out[k].end) ++k;
+    c10::StorageImpl* s = storage_of[static_cast<size_t>(i)];
+    auto [index, fresh] = index_of.find_or_insert(s, static_cast<int32_t>(storages_.size()));
+    if (fresh) {
+      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), regrowable(s), s->nbytes()});
+      first_tensor_.push_back(static_cast<int32_t>(i));
+      if (s->nbytes() != 0) live_.push_back(index);
+    }
+    TensorFacts& t = tensors_[static_cast<size_t>(i)];
+    t.storage = index;
+    t.first = fresh;
+    t.dims_at += static_cast<int32_t>(out[k].dims_at);
+  }
+  // 3. In parts again: each part's dims into dims_ (sized without a write), each thread faulting in its own.
+  dims_.resize(num_dims);
+  run_parts(static_cast<Py_ssize_t>(parts), parts, [&](size_t j, Py_ssize_t, Py_ssize_t) {
+    const Part& p = out[j];
+    if (!p.dims.empty()) std::memcpy(dims_.data() + p.dims_at, p.dims.data(), p.dims.size() * sizeof(int64_t));
+  });
+  return true;
 }
 
 py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t large_alignment, int64_t small_alignment,
@@ -464,7 +572,7 @@ py::object TargetRecord::bind(py::handle names, py::handle tensors, int64_t larg
       if (dims[d] == 0) empty = true;
       last += static_cast<__int128>(dims[d] - 1) * dims[t.dim + d];
     }
-    const __int128 need = empty ? 0 : (last + 1) * static_cast<__int128>(t.dtype.itemsize());
+    const __int128 need = empty ? 0 : (last + 1) * static_cast<__int128>(c10::elementSize(t.dtype));
     if (need > static_cast<__int128>(r.storages_[static_cast<size_t>(t.storage)].nbytes)) {
       extent_problem = static_cast<int64_t>(i);
     }
@@ -505,7 +613,7 @@ py::tuple TargetRecord::tensor_columns() const {
   py::list shapes = new_list(n, [&](size_t i) { return dims_tuple(ts[i], 0); });
   py::list strides = new_list(n, [&](size_t i) { return dims_tuple(ts[i], ts[i].dim); });
   py::list dtypes = new_list(n, [&](size_t i) -> PyObject* {
-    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(c10::typeMetaToScalarType(ts[i].dtype)));
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(ts[i].dtype));
     Py_XINCREF(dtype);
     return dtype;
   });
@@ -695,7 +803,10 @@ TargetRecord::Verdict TargetRecord::check_range(const Items& items, Py_ssize_t b
     c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
     const StorageFacts& s = storages_[static_cast<size_t>(t.storage)];
     if (storage != s.impl) return Verdict::kChanged;
-    if (impl->storage_offset() != t.offset || impl->dtype() != t.dtype || impl->dim() != t.dim) return Verdict::kChanged;
+    if (impl->storage_offset() != t.offset || impl->dtype() != caffe2::TypeMeta::fromScalarType(t.dtype) ||
+        impl->dim() != t.dim) {
+      return Verdict::kChanged;
+    }
     if (counters != nullptr && !t.inference) {
       // (An inference tensor has no counter, and bump_version() skips it: so does the bump.)
       auto& version = const_cast<c10::VariableVersion&>(impl->version_counter());
@@ -1047,7 +1158,7 @@ bool TargetRecord::covers(size_t i, size_t nbytes) const {
     expected *= sizes[d];
     numel *= sizes[d];
   }
-  return static_cast<size_t>(numel) * t.dtype.itemsize() == nbytes;
+  return static_cast<size_t>(numel) * c10::elementSize(t.dtype) == nbytes;
 }
 
 py::object TargetRecord::zero_live(py::handle list, py::handle held) {

@@ -11,8 +11,13 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 #include <vector>
 
 namespace c10 {
@@ -114,6 +119,30 @@ template <typename Vector>
 void shrink_if_slack(Vector& v) {
   if (v.capacity() > v.size() + v.size() / 2 + 64) v.shrink_to_fit();
 }
+
+// An allocator whose resize() writes nothing into elements of a trivially constructible type: a record's
+// vectors are sized by the calling thread and filled by the threads of a record in parts, each one writing
+// (and so faulting in) its own slice of fresh pages.
+template <typename T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <typename U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;  // (default-initialized: nothing written for a trivial U)
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using UninitializedVector = std::vector<T, UninitializedAllocator<T>>;
 
 // A Python list's items without a copy (the caller holds the list); a TypeError for anything but a list.
 struct Items {
@@ -275,6 +304,7 @@ class TargetRecord {
   size_t num_storages() const { return storages_.size(); }
 
  private:
+  // (Trivially constructible, the dtype as its ScalarType: see UninitializedAllocator.)
   struct TensorFacts {
     PyObject* obj;  // compared, never followed
     PyTypeObject* type;
@@ -282,11 +312,12 @@ class TargetRecord {
     int32_t storage;
     bool first;  // the first tensor on its storage: the storage's facts are checked with it
     bool inference;  // an inference tensor (it has no version counter; fixed for a TensorImpl's life)
+    c10::ScalarType dtype;
     int32_t dim;
     int32_t dims_at;  // sizes then strides in dims_
     int64_t offset;
-    caffe2::TypeMeta dtype;
   };
+  static_assert(std::is_trivially_default_constructible_v<TensorFacts>, "see UninitializedAllocator");
   struct StorageFacts {
     c10::StorageImpl* impl;
     void* data;
@@ -324,8 +355,13 @@ class TargetRecord {
   // Over the live storages [begin, end) only.
   void resize_each(const std::vector<c10::StorageImpl*>& reached, bool release, bool refuse, HeldStorages* held,
                    size_t begin, size_t end);
-  std::vector<TensorFacts> tensors_;
-  std::vector<int64_t> dims_;
+  // A record of many tensors is made in parts on threads (record_in_parts), else on the calling thread
+  // (record_here). false: the calling thread's record must be made (a part found what only it may read, or
+  // what it refuses with a message).
+  bool record_in_parts(const Items& items, size_t parts);
+  void record_here(const Items& items);
+  UninitializedVector<TensorFacts> tensors_;
+  UninitializedVector<int64_t> dims_;
   std::vector<StorageFacts> storages_;
   std::vector<int32_t> first_tensor_;  // one tensor index per storage
   std::vector<int32_t> live_;  // the storages that held memory when recorded
