@@ -359,7 +359,6 @@ void run_parts(Py_ssize_t n, size_t parts, const Part& part) {
   for (std::thread& t : threads) t.join();
 }
 
-}  // namespace
 
 // Whether a tensor's TensorImpl is one a record takes: what storages.check_tensor() refuses, the Python bind
 // then says (a TargetRecord is only of what it accepts).
@@ -368,6 +367,38 @@ bool recordable(c10::TensorImpl* impl) {
          !impl->has_symbolic_sizes_strides() && !impl->is_conj() && !impl->is_neg() && !impl->is_quantized() &&
          one_pass_device(impl->device()) && impl->dtype().isScalarType();
 }
+
+// A tensor's facts but its storage's (index, first), its sizes then strides appended to `dims` (dims_at: where
+// they begin there). The one reading of a tensor for both ways of making a record.
+template <typename Facts, typename Dims>
+void read_tensor(PyObject* obj, c10::TensorImpl* impl, Facts& t, Dims& dims) {
+  t.obj = obj;
+  t.type = Py_TYPE(obj);
+  t.impl = impl;
+  t.inference = impl->is_inference();
+  t.offset = impl->storage_offset();
+  t.dtype = c10::typeMetaToScalarType(impl->dtype());
+  t.dim = static_cast<int32_t>(impl->dim());
+  t.dims_at = static_cast<int32_t>(dims.size());
+  for (int64_t d : impl->sizes()) dims.push_back(d);
+  for (int64_t d : impl->strides()) dims.push_back(d);
+}
+
+// The index of tensor i's storage `s`, and whether i is its first tensor: a storage met first is recorded
+// (its memory read, a copy-on-write one materialized: the calling thread only), in the order of first tensors.
+template <typename Storages, typename Ints>
+std::pair<int32_t, bool> index_storage(StorageIndex& index_of, c10::StorageImpl* s, Py_ssize_t i, Storages& storages,
+                                       Ints& first_tensor, Ints& live) {
+  auto found = index_of.find_or_insert(s, static_cast<int32_t>(storages.size()));
+  if (found.second) {
+    storages.push_back({s, data_of(s), s->nbytes(), s->device(), regrowable(s), s->nbytes()});
+    first_tensor.push_back(static_cast<int32_t>(i));
+    if (s->nbytes() != 0) live.push_back(found.first);
+  }
+  return found;
+}
+
+}  // namespace
 
 TargetRecord::TargetRecord(py::handle list) {
   Items items = items_of(list);
@@ -418,27 +449,13 @@ void TargetRecord::record_here(const Items& items) {
     if (!recordable(impl)) {
       throw NotPlain("item " + std::to_string(i) + " has no plain strided CPU/CUDA storage (or a conjugate/negative bit)");
     }
-    c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
-    auto [index, fresh] = index_of.find_or_insert(s, static_cast<int32_t>(storages_.size()));
-    if (fresh) {
-      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), regrowable(s), s->nbytes()});
-      first_tensor_.push_back(static_cast<int32_t>(i));
-      if (s->nbytes() != 0) live_.push_back(index);
-    }
+    auto [index, fresh] = index_storage(index_of, impl->unsafe_storage().unsafeGetStorageImpl(), i, storages_,
+                                        first_tensor_, live_);
+    if (i == 0) dims_.reserve(2 * static_cast<size_t>(std::max<int64_t>(impl->dim(), 1)) * n);
     TensorFacts t{};
-    t.obj = obj;
-    t.type = Py_TYPE(obj);
-    t.impl = impl;
+    read_tensor(obj, impl, t, dims_);
     t.storage = index;
     t.first = fresh;
-    t.inference = impl->is_inference();
-    t.offset = impl->storage_offset();
-    t.dtype = c10::typeMetaToScalarType(impl->dtype());
-    t.dim = static_cast<int32_t>(impl->dim());
-    t.dims_at = static_cast<int32_t>(dims_.size());
-    if (i == 0) dims_.reserve(2 * static_cast<size_t>(std::max<int64_t>(impl->dim(), 1)) * n);
-    for (int64_t d : impl->sizes()) dims_.push_back(d);
-    for (int64_t d : impl->strides()) dims_.push_back(d);
     tensors_.push_back(t);
   }
 }
@@ -473,18 +490,9 @@ bool TargetRecord::record_in_parts(const Items& items, size_t parts) {
         // (A TensorImpl that dispatches to Python may answer its sizes, device or offset through Python.)
         if (impl->is_python_dispatch() || !recordable(impl)) return;
         TensorFacts& t = tensors_[static_cast<size_t>(i)];
-        t.obj = obj;
-        t.type = Py_TYPE(obj);
-        t.impl = impl;
+        read_tensor(obj, impl, t, p.dims);  // (dims_at in the part's list, until 2.)
         t.storage = -1;
         t.first = false;
-        t.inference = impl->is_inference();
-        t.offset = impl->storage_offset();
-        t.dtype = c10::typeMetaToScalarType(impl->dtype());
-        t.dim = static_cast<int32_t>(impl->dim());
-        t.dims_at = static_cast<int32_t>(p.dims.size());  // (in the part's list, until 3.)
-        for (int64_t d : impl->sizes()) p.dims.push_back(d);
-        for (int64_t d : impl->strides()) p.dims.push_back(d);
         storage_of[static_cast<size_t>(i)] = impl->unsafe_storage().unsafeGetStorageImpl();
       }
       p.read = Read::kDone;
@@ -516,13 +524,8 @@ bool TargetRecord::record_in_parts(const Items& items, size_t parts) {
       index_of.prefetch(next);
     }
     while (i >= out[k].end) ++k;
-    c10::StorageImpl* s = storage_of[static_cast<size_t>(i)];
-    auto [index, fresh] = index_of.find_or_insert(s, static_cast<int32_t>(storages_.size()));
-    if (fresh) {
-      storages_.push_back({s, data_of(s), s->nbytes(), s->device(), regrowable(s), s->nbytes()});
-      first_tensor_.push_back(static_cast<int32_t>(i));
-      if (s->nbytes() != 0) live_.push_back(index);
-    }
+    auto [index, fresh] = index_storage(index_of, storage_of[static_cast<size_t>(i)], i, storages_, first_tensor_,
+                                        live_);
     TensorFacts& t = tensors_[static_cast<size_t>(i)];
     t.storage = index;
     t.first = fresh;
