@@ -9,6 +9,8 @@ every caller takes its pure-Python path.
 
     GPU_OFFLOAD_TORCH_EXT=0   do not load it (pure Python everywhere)
 
+Nor is it loaded where the GIL is off (a free-threaded CPython run with PYTHON_GIL=0): its passes rely on it.
+
 `status()` says which it is and why; `gpu-offload info` prints it.
 """
 
@@ -18,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from types import ModuleType
 from typing import Any, Optional, Sequence, Union
 
@@ -75,7 +78,19 @@ def _load() -> tuple[Optional[ModuleType], str]:
         from . import _torch_ext  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, f"not loaded: {exc}"
+    # Its passes read objects borrowed and TensorImpls unlocked, which only the GIL makes safe. A free-threaded
+    # CPython turns the GIL back on to import a module that has not declared it can run without (this one
+    # has not), unless told not to (PYTHON_GIL=0, -X gil=0): then the pure-Python paths run. (Asked after the
+    # import, which is what turns it back on.)
+    if not _gil_enabled():
+        return None, ("not loaded: the GIL is disabled (PYTHON_GIL=0 or -X gil=0 on a free-threaded CPython), "
+                      "and its passes rely on it")
     return _torch_ext, f"loaded (built against torch {record['torch']})"
+
+
+def _gil_enabled() -> bool:
+    is_enabled = getattr(sys, "_is_gil_enabled", None)  # (3.13+; every earlier CPython has the GIL)
+    return True if is_enabled is None else bool(is_enabled())
 
 
 ext, _status = _load()

@@ -48,6 +48,19 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert ext is None and "GPU_OFFLOAD_TORCH_EXT=0" in why
 
 
+def test_not_loaded_where_the_gil_is_off(monkeypatch):
+    # (A free-threaded CPython run with PYTHON_GIL=0: the helper's passes read borrowed objects and unlocked
+    # TensorImpls, which only the GIL makes safe.) Asked after the import, which is what turns the GIL back on.
+    if torch_ext.read_record(getattr(torch_ext.ext, "__file__", "")) is None:
+        pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
+    asked = []
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: asked.append(1) or False, raising=False)
+    ext, why = torch_ext._load()
+    assert ext is None and "the GIL is disabled" in why and asked
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    assert torch_ext._load()[0] is torch_ext.ext
+
+
 def test_a_file_without_record_is_not_read_as_one(tmp_path):
     junk = tmp_path / "x.so"
     junk.write_bytes(b"\x7fELF" + b"\0" * 100)
