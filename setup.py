@@ -140,6 +140,29 @@ class CMakeBuild(build_ext):
 TORCH_EXT_NAME = "gpu_offload._torch_ext"
 
 
+def _find_installing_torch() -> str | None:
+    """Where torch was found when the build could not import it: pip's isolated build runs this file with the
+    installing environment's interpreter but hides that environment's site-packages, and the helper must be
+    built against that very torch (it loads into no other). The folder is appended after the build's own
+    (its setuptools, pybind11 stay first) and only its torch is asked for. None where torch imports as it is,
+    or none is found there (uv and `python -m build` build in an environment of their own: the build then
+    goes on without the helper)."""
+    import importlib.util
+    import site
+    import sysconfig
+
+    if importlib.util.find_spec("torch") is not None:
+        return None
+    # (The user's site too, last: pip's build sets PYTHONNOUSERSITE, which hides a `pip install --user` torch.)
+    folders = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+               site.getusersitepackages()]
+    for folder in dict.fromkeys(folders):
+        if (Path(folder) / "torch" / "__init__.py").is_file() and folder not in sys.path:
+            sys.path.append(folder)
+            return folder
+    return None
+
+
 class TorchExtension(Extension):
     def __init__(self, name: str, sources: list[str], record: dict, **kwargs) -> None:
         super().__init__(name, sources=sources, language="c++", **kwargs)
@@ -154,15 +177,20 @@ def torch_extension() -> list[Extension]:
         print("gpu_offload: not building gpu_offload._torch_ext (GPU_OFFLOAD_TORCH_EXT=0)", flush=True)
         return []
     try:
+        found_in = _find_installing_torch()
         import torch
         from torch.utils import cpp_extension
     except ImportError as exc:
         if mode == "1":
             raise SystemExit(f"GPU_OFFLOAD_TORCH_EXT=1 but torch is not importable at build time ({exc}); install "
-                             "torch first and build with --no-build-isolation") from None
-        print("gpu_offload: not building gpu_offload._torch_ext (torch is not importable at build time: an "
-              "isolated build; pip install --no-build-isolation builds it against the installed torch)", flush=True)
+                             "torch first (or build with --no-build-isolation)") from None
+        print("gpu_offload: not building gpu_offload._torch_ext (torch is not importable at build time, nor found "
+              "in the installing environment; pip install --no-build-isolation builds it against the installed "
+              "torch)", flush=True)
         return []
+    if found_in is not None:
+        print(f"gpu_offload: an isolated build: the helper is built against the installing environment's torch "
+              f"{torch.__version__} ({found_in})", flush=True)
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     record = {"torch": torch.__version__, "torch_git": getattr(torch.version, "git_version", None) or "",
               "cxx11_abi": bool(abi)}
