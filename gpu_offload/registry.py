@@ -26,6 +26,7 @@ import _thread
 import collections
 import functools
 import itertools
+import logging
 import weakref
 from typing import Any, Iterator, Optional, Sequence, cast
 
@@ -37,6 +38,8 @@ from ._errors import OffloadError
 from ._ext import _C  # type: ignore[attr-defined]
 from .arena import Region, wait_for
 from .storages import Layout, StorageSpec, unwrap
+
+logger = logging.getLogger("gpu_offload")
 
 _ext: Any = torch_ext.ext  # the torch-aware helper, or None (pure-Python paths)
 
@@ -482,6 +485,31 @@ def refuse(storages: Sequence[Any], names: Sequence[str], messages: Optional[str
     nothing without the helper."""
     if storages and torch_ext.access_guard_available():
         torch_ext.refuse_access(storages, messages if messages is not None else refusals(names))
+    elif storages:
+        _warn_unguarded()
+
+
+_warned_unguarded = [False]
+
+
+def _warn_unguarded() -> None:
+    """Says once per process that released storages do not refuse access here: calling an offloaded module
+    raises (its hooks), but a direct read of one of its tensors reads through a null pointer."""
+    if _warned_unguarded[0]:
+        return
+    _warned_unguarded[0] = True
+    why = torch_ext.status()
+    if "GPU_OFFLOAD_TORCH_EXT=0" in why:  # (the user's own choice: said at debug level only)
+        logger.debug("offloaded storages do not refuse access (gpu_offload._torch_ext is %s)", why)
+        return
+    if torch_ext.available():  # (loaded into a torch that cannot lift a refusal)
+        why, fix = f"torch {torch.__version__} cannot lift a refusal", "torch 2.6 or later can"
+    else:
+        why, fix = (f"gpu_offload._torch_ext is {why}", "reinstall gpu_offload into this environment with its torch "
+                    "installed, e.g. pip install --no-build-isolation ., to make such reads raise")
+    logger.warning("offloaded tensors do not refuse access in this process (%s): calling an offloaded module "
+                   "raises, but reading one of its tensors directly (w.norm(), print(w)) reads released memory and "
+                   "may crash; %s", why, fix)
 
 
 # What discarded storages refuse access with: an empty storage under full-shape tensors would otherwise be

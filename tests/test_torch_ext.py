@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
+import gpu_offload as go
 from gpu_offload import torch_ext
 
 _SPEC = importlib.util.find_spec("gpu_offload._torch_ext")
@@ -114,6 +117,31 @@ def test_without_the_helper_refusal_says_it_is_unavailable(monkeypatch):
         with pytest.raises(torch_ext.TorchExtUnavailable, match="GPU_OFFLOAD_TORCH_EXT=0"):
             call()
     t.norm()  # nothing was refused
+
+
+@pytest.mark.parametrize("why", ["not built (torch was not importable when gpu_offload was built; ...)",
+                                 "disabled (GPU_OFFLOAD_TORCH_EXT=0)", "loaded (built against torch x)"])
+def test_an_offload_without_the_guard_says_so_once(monkeypatch, caplog, why):
+    # Without refusals a direct read of an offloaded tensor reads released memory: said once per process, as a
+    # warning where the helper is missing or this torch cannot lift a refusal, at debug level where the user
+    # switched the helper off.
+    from gpu_offload import registry
+    loaded = why.startswith("loaded")
+    monkeypatch.setattr(torch_ext, "ext", types.SimpleNamespace(ACCESS_GUARD=False) if loaded else None)
+    monkeypatch.setattr(torch_ext, "_status", why)
+    monkeypatch.setattr(registry, "_warned_unguarded", [False])
+    models = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    with caplog.at_level(logging.DEBUG, logger="gpu_offload"):
+        for m in models:
+            go.offload(m)
+    go.reload(models)
+    said = [r for r in caplog.records if "do not refuse access" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    if "=0" in why:
+        assert said[0].levelno == logging.DEBUG
+    else:
+        assert said[0].levelno == logging.WARNING
+        assert ("cannot lift a refusal" if loaded else "pip install --no-build-isolation") in said[0].getMessage()
 
 
 def test_the_engine_works_with_the_helper_switched_off():
