@@ -180,13 +180,14 @@ def torch_extension() -> list[Extension]:
         found_in = _find_installing_torch()
         import torch
         from torch.utils import cpp_extension
-    except ImportError as exc:
+    except Exception as exc:  # (not only ImportError: a torch found in the installing environment may fail
+        # otherwise beside this build's packages; the package builds without the helper then)
         if mode == "1":
             raise SystemExit(f"GPU_OFFLOAD_TORCH_EXT=1 but torch is not importable at build time ({exc}); install "
                              "torch first (or build with --no-build-isolation)") from None
-        print("gpu_offload: not building gpu_offload._torch_ext (torch is not importable at build time, nor found "
-              "in the installing environment; pip install --no-build-isolation builds it against the installed "
-              "torch)", flush=True)
+        print(f"gpu_offload: not building gpu_offload._torch_ext (torch is not importable at build time, nor found "
+              f"in the installing environment ({type(exc).__name__}: {exc}); pip install --no-build-isolation builds "
+              f"it against the installed torch)", flush=True)
         return []
     if found_in is not None:
         print(f"gpu_offload: an isolated build: the helper is built against the installing environment's torch "
