@@ -182,7 +182,7 @@ def measure_target(kind: str, target: Any, tensors: list[torch.Tensor], repeats:
     def forget() -> None:  # untimed: a first call on a target drops no plan of its own
         plan.clear_cache()
         # The recorded traversals too (a module's, an optimizer's, a list's joined names; absent in older versions).
-        for name in ("_trees", "_optimizer_trees", "_joined_names", "_fsdp2_trees", "_walked_names",
+        for name in ("_trees", "_optimizer_trees", "_joined_names", "_fsdp2_trees", "_walked_fsdp2", "_walked_names",
                      "_walked_optimizer_names"):
             recorded = getattr(adapters, name, None)
             if recorded is not None:

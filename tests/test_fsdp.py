@@ -414,6 +414,99 @@ def test_an_fsdp2_models_recorded_traversal_reads_what_the_walk_reads() -> None:
     run_ranks(_check_fsdp2_record, 1)
 
 
+# -- FSDP2 where no traversal is recorded (Python 3.13 and later): walked in C++ each call ------------------------
+def _walk_each_call() -> None:
+    """In a rank's process: the helper without its recorded traversals, as on a Python whose dicts lack version
+    tags (3.13 and later), where a module is walked in C++ each call (walk_module)."""
+    torch_ext.ext.MODULE_TREE = False
+    if hasattr(torch_ext.ext, "OPTIMIZER_TREE"):
+        torch_ext.ext.OPTIMIZER_TREE = False
+
+
+def _skip_without_walk() -> None:
+    if torch_ext.ext is None or not hasattr(torch_ext.ext, "walk_module"):
+        pytest.skip(f"no module walk in the helper (gpu_offload._torch_ext {torch_ext.status()})")
+
+
+def _check_rank_walked(rank: int, world_size: int) -> dict[str, int]:
+    from gpu_offload import adapters
+
+    _walk_each_call()
+    result = _check_rank(rank, world_size, "fsdp2")
+    assert len(adapters._walked_fsdp2) > 0, "the FSDP2 models were walked in Python"
+    return result
+
+
+def test_single_rank_fsdp2_walked_each_call() -> None:
+    # Every check of a rank (snapshots, restores, MIS, offload and reload with gradients, a twin) with the
+    # FSDP2 models walked in C++ each call, as on Python 3.13.
+    _skip_without_walk()
+    (result,) = run_ranks(_check_rank_walked, 1)
+    assert result["shard_bytes"] == result["full"]
+
+
+def _check_fsdp2_walk(rank: int, world_size: int) -> None:
+    from gpu_offload import adapters
+    from gpu_offload.adapters import named_tensors
+
+    _walk_each_call()
+    a, oa = _make("fsdp2", world_size)
+    for stage in ("wrapped", "stepped", "no_grad forward", "backward", "buffer replaced", "no sync"):
+        if stage == "stepped":
+            _step(a, oa, 0, rank)  # FSDP2 swapped every parameter out and back: the same objects again
+        elif stage == "no_grad forward":
+            _probe(a)  # the root group is left unsharded: its idle group resharded before the walk
+            assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
+        elif stage == "backward":
+            ids = batch(3, rank)
+            lm_loss(a(ids), ids).backward()
+        elif stage == "buffer replaced":  # (the names are the same, the buffer another tensor: read as it is)
+            a.model.rotary_emb.register_buffer("inv_freq", a.model.rotary_emb.inv_freq.clone(), persistent=False)
+        elif stage == "no sync":
+            _accumulate_without_sync(a, "fsdp2", rank)
+        for include_grads in (False, True):
+            assert _read(a, include_grads) == _walked(a, include_grads), (stage, include_grads)
+        assert a in adapters._walked_fsdp2, stage
+        # The next call walks nothing in Python (neither FSDP2's walk nor its scan of the modules), answers the
+        # same names list, and reshards an idle group first, as that walk does.
+        first = named_tensors(a)
+        if stage == "no_grad forward":
+            _probe(a)
+        walk, scan = fsdp_adapter._fsdp2_named, fsdp_adapter._fsdp2_scan
+        fsdp_adapter._fsdp2_named = fsdp_adapter._fsdp2_scan = None  # (a call would raise)
+        try:
+            again = named_tensors(a)
+        finally:
+            fsdp_adapter._fsdp2_named, fsdp_adapter._fsdp2_scan = walk, scan
+        assert again.names is first.names, stage
+        assert [id(t) for t in again.tensors] == [id(t) for _, t in fsdp_adapter.fsdp2_named_tensors(
+            a, include_grads=False)], stage
+    a.set_requires_gradient_sync(True)
+    # A managed parameter replaced under the same name: the walk's names are the same list, its parameters
+    # not the same objects, and it is named as FSDP2's walk names it (which refuses it), not from what was kept.
+    layer = a.model.layers[0].mlp.up_proj
+    layer.weight = nn.Parameter(torch.zeros(layer.weight.shape))
+    with pytest.raises(go.OffloadError, match="not registered"):
+        named_tensors(a)
+    with pytest.raises(go.OffloadError, match="not registered"):
+        fsdp_adapter.fsdp2_named_tensors(a, include_grads=False)
+
+
+def test_an_fsdp2_model_walked_each_call_reads_what_the_python_walk_reads() -> None:
+    _skip_without_walk()
+    run_ranks(_check_fsdp2_walk, 1)
+
+
+def _check_fsdp2_params_no_group_manages_walked(rank: int, world_size: int) -> None:
+    _walk_each_call()
+    _check_fsdp2_params_no_group_manages(rank, world_size)
+
+
+def test_an_fsdp2_model_walked_each_call_names_ignored_parameters_as_the_python_walk_does() -> None:
+    _skip_without_walk()
+    run_ranks(_check_fsdp2_params_no_group_manages_walked, 1)
+
+
 def _check_fsdp2_first_record(rank: int, world_size: int) -> None:
     import json
 

@@ -333,7 +333,7 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
     does not manage (they come after the managed ones there), or unsharded gradients accumulated without
     gradient sync (named between the sharded ones there)."""
     if not _ext.MODULE_TREE:
-        return None
+        return _walked_fsdp2_tensors(module, include_grads)
     entry = _fsdp2_trees.get(module)
     got = None
     if entry is not None:
@@ -390,6 +390,54 @@ def _record_fsdp2(module: torch.nn.Module
     kept: dict[str, Any] = {"paths": (_ext.object_ids(modules), paths)}  # (fsdp.ModulePaths: no int made per module)
     entry = _fsdp2_trees[module] = (tree, names, num_params, fsdp.group_refs(module, groups), kept)
     return entry, tensors
+
+
+# An FSDP2 root's walk where no traversal is recorded (3.13 and later): (its groups' GroupRefs, the names
+# walk_module last gave, the ids of the parameters that were then found to be the managed ones, first).
+_walked_fsdp2: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[fsdp.GroupRefs, list[str], bytes]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _walked_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Optional[Named]:
+    """_recorded_fsdp2_tensors() where this Python has no recorded traversal (3.13 and later): the module walked
+    in C++ each call (walk_module), as a plain one is, instead of FSDP2's walk in Python (about 1.2 s a call for
+    65536 parameters). What that walk decides once, about FSDP's own objects, is kept while it holds: the
+    groups (weakly), and that the first parameters the walk meets are the ones they manage, all of them (so
+    that the walk's order is the one fsdp2_named_tensors names them in). A call that finds the same groups
+    alive, the very names of the last walk and the same parameter objects first reads nothing in Python but
+    the groups' reshard; any other walks the modules in Python first (FSDP2's checks, what they raise), once.
+    None where that does not apply (the caller walks it in Python): gradients to name, a module walk_module
+    declines, a parameter no group manages before a managed one."""
+    walk = getattr(_ext, "walk_module", None)
+    if walk is None or include_grads:
+        return None
+    refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
+    kept = _walked_fsdp2.get(module)  # (one read: replaced whole by another thread)
+    groups = fsdp.live_groups(kept[0]) if kept is not None else None
+    if groups is not None:
+        fsdp.reshard_idle(groups)  # (before the walk: an unsharded group's slots hold other tensors)
+        got = walk(module, torch.nn.Module, refused, kept[1])
+        if got is None:
+            return None
+        names, tensors, num_params, distinct = got
+        if names is kept[1] and _ext.object_ids(tensors[:num_params]) == kept[2]:
+            if _converted_by_zero3(tensors, num_params):
+                return None
+            return Named(names, tensors, 0, distinct)
+    # FSDP2's own checks on a Python walk of the modules (a wrapper mixed in raises here as it does there), its
+    # idle groups resharded, then the walk.
+    if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:
+        return None
+    kinds, groups = fsdp._fsdp2_scan(module)
+    fsdp.fsdp2_prepare(module, kinds, groups)
+    got = walk(module, torch.nn.Module, refused, kept[1] if kept is not None else None)
+    if got is None:
+        return None
+    names, tensors, num_params, distinct = got
+    if not _managed_first(groups, tensors, num_params) or _converted_by_zero3(tensors, num_params):
+        return None
+    _walked_fsdp2[module] = (fsdp.group_refs(module, groups), names, _ext.object_ids(tensors[:num_params]))
+    return Named(names, tensors, 0, distinct)
 
 
 def _managed_first(groups: list[tuple[str, torch.nn.Module, Any]], tensors: list[torch.Tensor], num_params: int) -> bool:
