@@ -348,6 +348,25 @@ def _read(model: nn.Module, include_grads: bool) -> list[tuple[str, int]]:
     return [(n, id(t)) for n, t in named_tensors(model, include_grads=include_grads)]
 
 
+# What an FSDP2 model goes through between two reads of its tensors, one stage at a time (_enter_fsdp2_stage).
+_FSDP2_STAGES = ("wrapped", "stepped", "no_grad forward", "backward", "buffer replaced", "no sync")
+
+
+def _enter_fsdp2_stage(a: nn.Module, oa: torch.optim.Optimizer, stage: str, rank: int) -> None:
+    if stage == "stepped":
+        _step(a, oa, 0, rank)  # FSDP2 swapped every parameter out and back: the same objects again
+    elif stage == "no_grad forward":
+        _probe(a)  # the root group is left unsharded: read (as the walk does) after resharding it
+        assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
+    elif stage == "backward":
+        ids = batch(3, rank)
+        lm_loss(a(ids), ids).backward()
+    elif stage == "buffer replaced":  # (the names are the same, the buffer another tensor: read as it is)
+        a.model.rotary_emb.register_buffer("inv_freq", a.model.rotary_emb.inv_freq.clone(), persistent=False)
+    elif stage == "no sync":  # unsharded gradients on the side: the walk names them, a record defers to it
+        _accumulate_without_sync(a, "fsdp2", rank)
+
+
 def _check_fsdp2_record(rank: int, world_size: int) -> None:
     import gc
     import weakref
@@ -356,19 +375,8 @@ def _check_fsdp2_record(rank: int, world_size: int) -> None:
 
     recorded = torch_ext.ext is not None and torch_ext.ext.MODULE_TREE
     a, oa = _make("fsdp2", world_size)
-    for stage in ("wrapped", "stepped", "no_grad forward", "backward", "buffer replaced", "no sync"):
-        if stage == "stepped":
-            _step(a, oa, 0, rank)  # FSDP2 swapped every parameter out and back: the record still holds
-        elif stage == "no_grad forward":
-            _probe(a)  # the root group is left unsharded: read (as the walk does) after resharding it
-            assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
-        elif stage == "backward":
-            ids = batch(3, rank)
-            lm_loss(a(ids), ids).backward()
-        elif stage == "buffer replaced":
-            a.model.rotary_emb.register_buffer("inv_freq", a.model.rotary_emb.inv_freq.clone(), persistent=False)
-        elif stage == "no sync":  # unsharded gradients on the side: the walk names them, the record defers to it
-            _accumulate_without_sync(a, "fsdp2", rank)
+    for stage in _FSDP2_STAGES:
+        _enter_fsdp2_stage(a, oa, stage, rank)
         for include_grads in (False, True):
             got = _read(a, include_grads)
             assert got == _walked(a, include_grads), (stage, include_grads)
@@ -451,19 +459,8 @@ def _check_fsdp2_walk(rank: int, world_size: int) -> None:
 
     _walk_each_call()
     a, oa = _make("fsdp2", world_size)
-    for stage in ("wrapped", "stepped", "no_grad forward", "backward", "buffer replaced", "no sync"):
-        if stage == "stepped":
-            _step(a, oa, 0, rank)  # FSDP2 swapped every parameter out and back: the same objects again
-        elif stage == "no_grad forward":
-            _probe(a)  # the root group is left unsharded: its idle group resharded before the walk
-            assert not fsdp_adapter._fsdp2_groups(a).__next__()[2].is_sharded
-        elif stage == "backward":
-            ids = batch(3, rank)
-            lm_loss(a(ids), ids).backward()
-        elif stage == "buffer replaced":  # (the names are the same, the buffer another tensor: read as it is)
-            a.model.rotary_emb.register_buffer("inv_freq", a.model.rotary_emb.inv_freq.clone(), persistent=False)
-        elif stage == "no sync":
-            _accumulate_without_sync(a, "fsdp2", rank)
+    for stage in _FSDP2_STAGES:
+        _enter_fsdp2_stage(a, oa, stage, rank)
         for include_grads in (False, True):
             assert _read(a, include_grads) == _walked(a, include_grads), (stage, include_grads)
         assert a in adapters._walked_fsdp2, stage

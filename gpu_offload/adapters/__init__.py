@@ -359,6 +359,12 @@ def _recorded_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Opt
     return Named(got[0], got[1], len(got[1]) - len(entry[1]), entry[0].names_distinct)
 
 
+def _fsdp2_refused() -> tuple[type, ...]:
+    """The classes an FSDP2 root's C++ traversal (recorded or walked) refuses to walk through: FSDP1's wrapper and
+    torch's DDP, whose state the FSDP2 naming would miss (the Python walk then raises saying so)."""
+    return tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
+
+
 def _record_fsdp2(module: torch.nn.Module
                   ) -> Optional[tuple[tuple[Any, list[str], int, fsdp.GroupRefs, dict[str, Any]], list[torch.Tensor]]]:
     """Records an FSDP2 root's traversal in C++ and names its tensors from it as the Python walk does (what
@@ -369,7 +375,7 @@ def _record_fsdp2(module: torch.nn.Module
     them (ids: nothing of the model is held)."""
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:  # (FSDP's own recognizers aside)
         return None
-    refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
+    refused = _fsdp2_refused()
     built = _ext.build_module_tree(module, torch.nn.Module, refused, True)
     if built is None:
         return None
@@ -411,9 +417,10 @@ def _walked_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Optio
     walk = getattr(_ext, "walk_module", None)
     if walk is None or include_grads:
         return None
-    refused = tuple(c for c in (fsdp._fsdp1_class(), torch.nn.parallel.DistributedDataParallel) if c is not None)
+    refused = _fsdp2_refused()
     kept = _walked_fsdp2.get(module)  # (one read: replaced whole by another thread)
     groups = fsdp.live_groups(kept[0]) if kept is not None else None
+    got = None
     if groups is not None:
         fsdp.reshard_idle(groups)  # (before the walk: an unsharded group's slots hold other tensors)
         got = walk(module, torch.nn.Module, refused, kept[1])
@@ -425,14 +432,14 @@ def _walked_fsdp2_tensors(module: torch.nn.Module, include_grads: bool) -> Optio
                 return None
             return Named(names, tensors, 0, distinct)
     # FSDP2's own checks on a Python walk of the modules (a wrapper mixed in raises here as it does there), its
-    # idle groups resharded, then the walk.
+    # idle groups resharded, then the walk: the one above, where it ran and no group was resharded since.
     if _strategy_but_zero3(module, walk=False) is not PLAIN_MODULE:
         return None
     kinds, groups = fsdp._fsdp2_scan(module)
-    fsdp.fsdp2_prepare(module, kinds, groups)
-    got = walk(module, torch.nn.Module, refused, kept[1] if kept is not None else None)
-    if got is None:
-        return None
+    if fsdp.fsdp2_prepare(module, kinds, groups) or got is None:
+        got = walk(module, torch.nn.Module, refused, kept[1] if kept is not None else None)
+        if got is None:
+            return None
     names, tensors, num_params, distinct = got
     if not _managed_first(groups, tensors, num_params) or _converted_by_zero3(tensors, num_params):
         return None
