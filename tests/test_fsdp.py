@@ -704,6 +704,50 @@ def test_the_helpers_json_join_is_json_dumps_or_declines() -> None:
         ext.json_object_of_texts({"a": 1}, lambda v: 1 / 0)
 
 
+def test_the_helpers_placements_compare_as_python_does() -> None:
+    """fsdp2_layouts groups parameters by their placements (==): Shard and Replicate pairs compared on the C++
+    objects where this build has torch's placement classes, every other pair through ==, the answer Python's."""
+    import itertools
+
+    ext = torch_ext.ext
+    if ext is None:
+        pytest.skip(f"gpu_offload._torch_ext {torch_ext.status()}")
+    placement_types = pytest.importorskip("torch.distributed.tensor.placement_types")
+    Shard, Replicate, Partial = placement_types.Shard, placement_types.Replicate, placement_types.Partial
+
+    class Sub(Shard):  # (a subclass whose == is its own: never compared as the C++ class)
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Sub)
+
+        __hash__ = Shard.__hash__
+
+    made = [lambda: (Shard(0),), lambda: (Shard(1),), lambda: (Replicate(),), lambda: (Replicate(), Shard(0)),
+            lambda: (Replicate(), Shard(1)), lambda: (Shard(0), Shard(0)), lambda: (Partial(),),
+            lambda: (Partial("avg"),), lambda: (Sub(0),), lambda: (Sub(1),), lambda: (), lambda: [Shard(0)]]
+    strided = getattr(placement_types, "_StridedShard", None)
+    if strided is not None:
+        made += [lambda: (strided(0, split_factor=2),), lambda: (strided(0, split_factor=3),)]
+    known = 0
+    for a, b in itertools.product(made, repeat=2):
+        x, y = a(), b()  # (objects of their own, as every FSDPParam has: no pair is the same object)
+        equal, num_known = ext.placements_equal(x, y)
+        assert equal == (x == y), (x, y)
+        known += num_known
+        assert ext.placements_equal(x, x) == (True, 0)  # (the same tuple: equal, nothing compared)
+    # (Where torch binds Shard and Replicate in C++ with their == and this build has its headers, their pairs
+    # are compared without Python; a build that should but does not is a silent slowdown, failed here.)
+    compared_in_cpp = ext.CPP_PLACEMENTS and "__eq__" not in vars(Shard) and "__eq__" not in vars(Replicate)
+    assert (known > 0) == bool(compared_in_cpp), (known, ext.CPP_PLACEMENTS)
+    with pytest.raises(ZeroDivisionError):  # (an == that raises: raised)
+        class Bad(Shard):
+            def __eq__(self, other: object) -> bool:
+                raise ZeroDivisionError
+
+            __hash__ = Shard.__hash__
+
+        ext.placements_equal((Bad(0),), (Bad(0),))
+
+
 # -- DTensor targets: their plans are of the local tensors, and valid only for the very same DTensors --------
 def _check_dtensor_plans(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -842,10 +886,13 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
     model.a = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3, bias=False))
     model.b = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 5)).to(torch.bfloat16)
     model.c = nn.Linear(8, 6)
+    model.d = nn.Linear(8, 6)
     fully_shard(model.a, mesh=mesh)
     fully_shard(model.b, mesh=mesh)
-    # Another placement for 2-D parameters: layouts equal in shape and dtype, told apart by placements alone.
+    # Another placement for 2-D parameters: c.weight and d.weight, equal in shape and dtype, are told apart by
+    # their placements alone.
     fully_shard(model.c, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    fully_shard(model.d, mesh=mesh)
     fully_shard(model, mesh=mesh)
     paths: dict[int, str] = {}
     _, groups = fsdp_adapter._fsdp2_scan(model, paths)
@@ -853,6 +900,8 @@ def _check_fsdp2_layouts_read_what_python_reads(rank: int, world_size: int) -> N
     python = fsdp_adapter._fsdp2_shard_info(fps, paths)
     assert {"scale", "a.0.weight", "a.1.weight", "b.1.weight", "c.weight", "c.bias"} <= python["params"].keys()
     assert python["params"]["c.weight"]["placements"] != python["params"]["a.0.weight"]["placements"]
+    c, d = python["params"]["c.weight"], python["params"]["d.weight"]
+    assert c["placements"] != d["placements"] and {**c, "placements": None} == {**d, "placements": None}
     assert python["params"]["b.1.weight"]["dtype"] == "torch.bfloat16"
     names, modules = [n for n, _ in model.named_modules()], [m for _, m in model.named_modules()]
     ids = struct.pack(f"{len(modules)}N", *map(id, modules))  # (what the helper's object_ids gives)

@@ -367,6 +367,7 @@ PYBIND11_MODULE(_torch_ext, m) {
   m.def("bump_versions", &bump_versions, py::arg("tensors"),
         "torch.autograd.graph.increment_version(tensors) for a list, in one pass.");
   m.attr("MODULE_TREE") = module_tree_supported();
+  m.attr("CPP_PLACEMENTS") = cpp_placements();
   // (Probed here, at import: the probe makes Python objects, which a walk must not.)
   m.attr("SHARED_KEYS") = shared_keys_layout_ok();
   m.attr("COMBINED_KEYS") = combined_keys_layout_ok();
@@ -412,4 +413,6 @@ PYBIND11_MODULE(_torch_ext, m) {
         "of FSDPParams, named as fsdp2_shard_info names them from module_paths (a dict id -> path, or (ids as "
         "native words, paths)); the layouts by global shape, padded local shape, padded shard dtype and "
         "placements (==). None where a read is not a plain one.");
+  m.def("placements_equal", &placements_equal, py::arg("a"), py::arg("b"),
+        "fsdp2_layouts' == of two placements tuples: (equal, how many item pairs it compared without ==).");
 }

@@ -477,5 +477,9 @@ py::tuple module_kinds(py::handle modules, py::handle cls);
 // fsdp2_shard_info's per-parameter part: (names, layout index of each, first parameter of each layout, padded
 // shards) | None.
 py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths);
+// fsdp2_layouts' == of two placements tuples: (equal, how many item pairs it compared without ==).
+py::tuple placements_equal(py::handle a, py::handle b);
+// Whether this build has torch's C++ placement classes (their headers), which placements_equal compares.
+bool cpp_placements();
 
 }  // namespace gpu_offload::torch_ext
