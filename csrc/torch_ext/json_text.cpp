@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "torch_ext.hpp"
+#include "py_objects.hpp"
 
 namespace py = pybind11;
 

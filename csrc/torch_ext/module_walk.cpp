@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "torch_ext.hpp"
+#include "py_objects.hpp"
 #include "traversal.hpp"
 
 namespace py = pybind11;
@@ -147,7 +147,7 @@ class Walker {
     PyObject *key, *value;
     while (PyDict_Next(dict, &pos, &key, &value)) {
       if (value == Py_None) continue;
-      if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key) || !is_tensor(value)) return false;
+      if (!PyUnicode_CheckExact(key) || !PyUnicode_IS_ASCII(key) || !is_tensor_object(value)) return false;
       distinct_ = distinct_ && traversal_key_ok(key);
       std::string name;
       const size_t b = static_cast<size_t>(PyUnicode_GET_LENGTH(key));

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "torch_ext.hpp"
+#include "py_objects.hpp"
 #include "traversal.hpp"
 
 namespace py = pybind11;
@@ -119,7 +119,7 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
       const auto [key, v] = keys.item(k);
       // (Tensors in a list, tuple or dict, LBFGS's history, are named by the Python walk.)
       if (PyList_Check(v) || PyTuple_Check(v) || PyDict_Check(v)) return py::none();
-      if (!is_tensor(v)) continue;
+      if (!is_tensor_object(v)) continue;
       std::string name(prefix, a);
       name.append(reinterpret_cast<const char*>(PyUnicode_1BYTE_DATA(key)), static_cast<size_t>(PyUnicode_GET_LENGTH(key)));
       out_names.push_back(std::move(name));

@@ -33,6 +33,8 @@ namespace py = pybind11;
 
 namespace gpu_offload::torch_ext {
 
+bool is_tensor_object(PyObject* obj) { return is_tensor(obj); }
+
 c10::StorageImpl* storage_of(PyObject* item) {
   // A tensor (its storage), an UntypedStorage, or a storage's _cdata (the StorageImpl address: trusted,
   // the caller holds the storage). Tensors and storages are checked, so a wrong object is a TypeError.
