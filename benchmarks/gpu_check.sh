@@ -90,7 +90,7 @@ machine() {
   if [ "$HAVE_GPU" = 1 ]; then
     nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv \
       || rc=1
-    nvidia-smi -q -d CLOCK >/tmp/gpu_check_clocks.txt 2>&1 && sed -n 1,24p /tmp/gpu_check_clocks.txt
+    nvidia-smi -q -d CLOCK 2>&1 | sed -n 1,24p || true  # (into check.log: no file outside $OUT)
   fi
   [ -r /proc/driver/nvidia/version ] && cat /proc/driver/nvidia/version
   echo "-- /proc/meminfo"
