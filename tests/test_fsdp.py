@@ -7,7 +7,6 @@ World size 1 runs in this process (FSDP1 then uses NO_SHARD); world size 2 spawn
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -424,48 +423,30 @@ def test_an_fsdp2_models_recorded_traversal_reads_what_the_walk_reads() -> None:
 
 
 # -- FSDP2 where no traversal is recorded (Python 3.13 and later): walked in C++ each call ------------------------
-def _walk_each_call() -> None:
-    """In a rank's process: the helper without its recorded traversals, as on a Python whose dicts lack version
-    tags (3.13 and later), where a module is walked in C++ each call (walk_module). A one-rank run is this
-    process: its test restores them (_records_restored)."""
-    torch_ext.ext.MODULE_TREE = False
-    if hasattr(torch_ext.ext, "OPTIMIZER_TREE"):
-        torch_ext.ext.OPTIMIZER_TREE = False
-
-
-@contextlib.contextmanager
-def _records_restored() -> Iterator[None]:
-    """The helper's record switches as they were, after a one-rank run (run_ranks runs it in this process) that
-    turned them off: left off, every later test in this pytest worker would run without records."""
-    names = [n for n in ("MODULE_TREE", "OPTIMIZER_TREE") if hasattr(torch_ext.ext, n)]
-    saved = {n: getattr(torch_ext.ext, n) for n in names}
-    try:
-        yield
-    finally:
-        for n, value in saved.items():
-            setattr(torch_ext.ext, n, value)
-
-
-def _skip_without_walk() -> None:
+def _walk_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper without its recorded traversals, as on a Python whose dicts lack version tags (3.13 and
+    later), where a module is walked in C++ each call (walk_module); monkeypatch turns them back on at the
+    test's end. The switch reaches the checks because one rank runs in this process (run_ranks)."""
     if torch_ext.ext is None or not hasattr(torch_ext.ext, "walk_module"):
         pytest.skip(f"no module walk in the helper (gpu_offload._torch_ext {torch_ext.status()})")
+    monkeypatch.setattr(torch_ext.ext, "MODULE_TREE", False)
+    if hasattr(torch_ext.ext, "OPTIMIZER_TREE"):
+        monkeypatch.setattr(torch_ext.ext, "OPTIMIZER_TREE", False)
 
 
 def _check_rank_walked(rank: int, world_size: int) -> dict[str, int]:
     from gpu_offload import adapters
 
-    _walk_each_call()
     result = _check_rank(rank, world_size, "fsdp2")
     assert len(adapters._walked_fsdp2) > 0, "the FSDP2 models were walked in Python"
     return result
 
 
-def test_single_rank_fsdp2_walked_each_call() -> None:
+def test_single_rank_fsdp2_walked_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every check of a rank (snapshots, restores, MIS, offload and reload with gradients, a twin) with the
     # FSDP2 models walked in C++ each call, as on Python 3.13.
-    _skip_without_walk()
-    with _records_restored():
-        (result,) = run_ranks(_check_rank_walked, 1)
+    _walk_each_call(monkeypatch)
+    (result,) = run_ranks(_check_rank_walked, 1)
     assert result["shard_bytes"] == result["full"]
 
 
@@ -473,7 +454,6 @@ def _check_fsdp2_walk(rank: int, world_size: int) -> None:
     from gpu_offload import adapters
     from gpu_offload.adapters import named_tensors
 
-    _walk_each_call()
     a, oa = _make("fsdp2", world_size)
     for stage in _FSDP2_STAGES:
         _enter_fsdp2_stage(a, oa, stage, rank)
@@ -505,21 +485,15 @@ def _check_fsdp2_walk(rank: int, world_size: int) -> None:
         fsdp_adapter.fsdp2_named_tensors(a, include_grads=False)
 
 
-def test_an_fsdp2_model_walked_each_call_reads_what_the_python_walk_reads() -> None:
-    _skip_without_walk()
-    with _records_restored():
-        run_ranks(_check_fsdp2_walk, 1)
+def test_an_fsdp2_model_walked_each_call_reads_what_the_python_walk_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    _walk_each_call(monkeypatch)
+    run_ranks(_check_fsdp2_walk, 1)
 
 
-def _check_fsdp2_params_no_group_manages_walked(rank: int, world_size: int) -> None:
-    _walk_each_call()
-    _check_fsdp2_params_no_group_manages(rank, world_size)
-
-
-def test_an_fsdp2_model_walked_each_call_names_ignored_parameters_as_the_python_walk_does() -> None:
-    _skip_without_walk()
-    with _records_restored():
-        run_ranks(_check_fsdp2_params_no_group_manages_walked, 1)
+def test_an_fsdp2_model_walked_each_call_names_ignored_parameters_as_the_python_walk_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _walk_each_call(monkeypatch)
+    run_ranks(_check_fsdp2_params_no_group_manages, 1)
 
 
 def _check_fsdp2_first_record(rank: int, world_size: int) -> None:
