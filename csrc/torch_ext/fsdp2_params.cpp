@@ -326,7 +326,9 @@ class PlacementsEqual {
 
   int known(PyObject* x, PyObject* y) {
     PyTypeObject* type = Py_TYPE(x);
-    if (type != Py_TYPE(y) || type == nullptr) return kUnknown;
+    if (type != Py_TYPE(y)) return kUnknown;
+    // (Replicate needs no header of torch's, but only where torch has the C++ placements is the base that
+    // first defines its __eq__ known to be torch's binding: hence both inside the gate.)
     if (reinterpret_cast<PyObject*>(type) == replicate_.ptr()) {
       ++num_known_;
       return 1;  // (a Replicate holds nothing: all are equal)
@@ -734,14 +736,13 @@ py::object fsdp2_layouts(py::handle fsdp_params, py::handle module_paths) {
   for (Py_ssize_t i = 0; i < n; ++i) {
     // (Each parameter's placements tuple, then its items, asked for ahead of their comparison.)
     if (i + 2 * kStage < n) __builtin_prefetch(params[static_cast<size_t>(i + 2 * kStage)].placements.ptr());
-    if (i + kStage < n) {
-      PyObject* ahead = params[static_cast<size_t>(i + kStage)].placements.ptr();
-      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(ahead) && k < 4; ++k) prefetch_object(PyTuple_GET_ITEM(ahead, k));
-    }
-    if (i + kStage / 2 < n) {
-      PyObject* ahead = params[static_cast<size_t>(i + kStage / 2)].placements.ptr();
-      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(ahead) && k < 4; ++k) placements_equal.prefetch(PyTuple_GET_ITEM(ahead, k));
-    }
+    auto each_item_ahead = [&](Py_ssize_t ahead, auto&& prefetch) {  // (a tuple's first four items)
+      if (i + ahead >= n) return;
+      PyObject* tuple = params[static_cast<size_t>(i + ahead)].placements.ptr();
+      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(tuple) && k < 4; ++k) prefetch(PyTuple_GET_ITEM(tuple, k));
+    };
+    each_item_ahead(kStage, prefetch_object);
+    each_item_ahead(kStage / 2, [&](PyObject* item) { placements_equal.prefetch(item); });
     const Param& p = params[static_cast<size_t>(i)];
     auto same = [&](size_t l) {
       const Param& q = params[firsts[l]];

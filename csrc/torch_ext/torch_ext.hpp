@@ -1,10 +1,7 @@
 // Shared by the torch-aware helper's translation units that read torch's objects (py_objects.hpp: by all).
 #pragma once
 
-#include <Python.h>
-#include <pybind11/pybind11.h>
-
-#include "py_objects.hpp"
+#include "py_objects.hpp"  // (first: Python.h, pybind11 and the standard headers both use)
 
 #include <c10/core/Device.h>
 #include <c10/core/StorageImpl.h>
@@ -12,15 +9,7 @@
 #include <c10/util/typeid.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstdint>
-#include <memory>
-#include <new>
 #include <stdexcept>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-#include <vector>
 
 namespace c10 {
 struct StorageImpl;
