@@ -125,7 +125,7 @@ class CMakeBuild(build_ext):
             shutil.rmtree(build_dir)
             build_dir.mkdir(parents=True)
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
-        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(_cores()))
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
 
 
@@ -208,15 +208,55 @@ def torch_extension() -> list[Extension]:
         define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(abi)), ("TORCH_API_INCLUDE_EXTENSION_H", None),
                        ("TORCH_EXTENSION_NAME", "_torch_ext"),
                        ("GPU_OFFLOAD_TORCH_EXT_RECORD", json.dumps(json.dumps(record, sort_keys=True)))],
-        extra_compile_args=[f"-std={std}", "-O2", "-g0", "-fvisibility=hidden"],
+        # (-Wno-subobject-linkage: a file compiled as a member of a unit is an included file, and g++ warns of
+        # its file-local types in a class there, which it does not in a file compiled on its own.)
+        extra_compile_args=[f"-std={std}", "-O2", "-g0", "-fvisibility=hidden", "-Wno-subobject-linkage"],
     )]
 
 
-def _compile_in_parallel(compiler: Any, jobs: int) -> None:
+def _cores() -> int:
+    """The cores this process may run on (a container's CPU set, where os.cpu_count() names the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _unity_sources(sources: list[str], jobs: int, folder: Path) -> dict[str, list[str]]:
+    """The helper's files grouped into `jobs` translation units where there are more files than that: each
+    unit is a file written in `folder` that #includes its members (diagnostics still name the member's file
+    and line), balanced by the members' sizes. Most of a file's compile is torch's headers (about 20 of its
+    25-35 s on a 2-core VM), so that one unit per core parses them once per core instead of once per file:
+    on 2 cores the helper then builds in about half the time. With as many cores as files each file is its
+    own unit. Returns each source to compile -> the files whose change makes its object stale. (The members
+    share one namespace per unit: their file-local names must differ. CI compiles each file on its own
+    against another torch's headers, .ci/torch_headers.sh, so that none leans on another's includes.)"""
+    if jobs >= len(sources):
+        return {src: [src] for src in sources}
+    units: list[list[str]] = [[] for _ in range(jobs)]
+    weight = [0] * jobs
+    size = {src: (ROOT / src).stat().st_size for src in sources}
+    for src in sorted(sources, key=lambda s: (-size[s], s)):
+        lightest = weight.index(min(weight))
+        units[lightest].append(src)
+        weight[lightest] += size[src]
+    folder.mkdir(parents=True, exist_ok=True)
+    grouped = {}
+    for i, members in enumerate(units):
+        unit = folder / f"unit{i}.cpp"
+        text = "".join(f'#include "{(ROOT / m).resolve()}"\n' for m in sorted(members))
+        if not unit.exists() or unit.read_text() != text:  # (rewritten only when it changes: its object stays fresh)
+            unit.write_text(text)
+        grouped[str(unit)] = members
+    return grouped
+
+
+def _compile_in_parallel(compiler: Any, jobs: int, members: dict[str, list[str]], headers: list[str]) -> None:
     """Compiles one extension's sources `jobs` at a time (setuptools compiles them one by one; each of the
-    helper's files takes about 25 s against torch's headers), the same steps as CCompiler.compile, and skips
-    an object newer than its source and the headers when the flags (torch's version among them) are the
-    same as last time: `make test`'s second install then compiles nothing."""
+    helper's units takes about 25-50 s against torch's headers), the same steps as CCompiler.compile, and skips
+    an object newer than its source, the files it includes (`members`: a unit's) and the `headers` when the
+    flags (torch's version among them) are the same as last time: `make test`'s second install then compiles
+    nothing, and an edit to one file compiles its unit alone."""
     def compile(sources: list[str], output_dir: Any = None, macros: Any = None, include_dirs: Any = None,
                 debug: Any = 0, extra_preargs: Any = None, extra_postargs: Any = None, depends: Any = None) -> list[str]:
         macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
@@ -225,11 +265,12 @@ def _compile_in_parallel(compiler: Any, jobs: int) -> None:
         stamp = Path(output_dir or ".") / "gpu_offload-compile-flags.json"
         flags = json.dumps([list(compiler.compiler_so), cc_args, extra_postargs, pp_opts])
         same = stamp.exists() and stamp.read_text() == flags
-        newest = max([os.path.getmtime(d) for d in depends or [] if os.path.exists(d)], default=0.0)
+        newest = max([os.path.getmtime(h) for h in headers if os.path.exists(h)], default=0.0)
 
         def fresh(obj: str) -> bool:
-            return (same and os.path.exists(obj) and
-                    os.path.getmtime(obj) > max(newest, os.path.getmtime(build[obj][0])))
+            src = build[obj][0]
+            inputs = [src, *(str(ROOT / m) for m in members.get(src, []))]
+            return same and os.path.exists(obj) and os.path.getmtime(obj) > max(newest, *map(os.path.getmtime, inputs))
 
         def one(obj: str) -> None:
             src, ext = build[obj]
@@ -252,14 +293,18 @@ def _compile_in_parallel(compiler: Any, jobs: int) -> None:
 def build_torch_extension(builder: build_ext, ext: "TorchExtension") -> None:
     print(f"gpu_offload: building {TORCH_EXT_NAME} against torch {ext.record['torch']} "
           f"(C++11 ABI {int(ext.record['cxx11_abi'])})", flush=True)
-    jobs = int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or os.cpu_count() or 1)
-    if all(hasattr(builder.compiler, name) for name in ("_setup_compile", "_get_cc_args", "_compile")):
-        _compile_in_parallel(builder.compiler, jobs)
+    jobs = int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or _cores())
     # Objects kept beside CMake's build where it is named (setuptools' build_temp is a fresh folder per pip
     # install), so that a second install finds them.
     named = os.environ.get("GPU_OFFLOAD_BUILD_DIR")
     if named:
         builder.build_temp = str(Path(named).resolve() / "torch_ext")
+    if all(hasattr(builder.compiler, name) for name in ("_setup_compile", "_get_cc_args", "_compile")):
+        members = _unity_sources(ext.sources, jobs, Path(builder.build_temp).resolve() / "units")
+        _compile_in_parallel(builder.compiler, jobs, members, headers=list(ext.depends))
+        # (The files stay among the depends: setuptools skips the whole build when none is newer than the module.)
+        ext.depends = [*ext.depends, *ext.sources]
+        ext.sources = list(members)
     try:
         build_ext.build_extension(builder, ext)
     except Exception as exc:  # optional: the package is complete without it

@@ -21,8 +21,13 @@ pyinc=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['incl
 flags=(-std=c++17 -fvisibility=hidden -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_torch_ext '-DGPU_OFFLOAD_TORCH_EXT_RECORD="{}"'
        -I"$inc" -I"$inc/torch/csrc/api/include" -I"$pyinc" -I"$(.venv/bin/python -c 'import pybind11; print(pybind11.get_include())')"
        -Icsrc/torch_ext)
-# (Each file parses torch's headers, 15-30 s: as many at a time as there are cores.)
-printf '%s\0' csrc/torch_ext/*.cpp | xargs -0 -n 1 -P "$(nproc)" g++ "${flags[@]}" -fsyntax-only
+# Each file on its own (a build with a core per file compiles them so: none may lean on another's includes), and
+# all of them as one unit (setup.py groups the files into one unit per core where there are fewer cores: their
+# file-local names must not meet in any grouping). Each parses torch's headers, 15-30 s: as many at a time as
+# there are cores.
+for f in csrc/torch_ext/*.cpp; do echo "#include \"$(realpath "$f")\""; done > "$DIR/all_files.cpp"
+printf '%s\0' "$DIR/all_files.cpp" csrc/torch_ext/*.cpp |
+  xargs -0 -n 1 -P "$(nproc)" g++ "${flags[@]}" -Wno-subobject-linkage -fsyntax-only
 found=$(g++ "${flags[@]}" -E csrc/torch_ext/torch_ext.cpp | grep -c 'template struct PrivateMember<' || true)
 want=0
 [ "$LIFT" = private ] && want=2

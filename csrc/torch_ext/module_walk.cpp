@@ -32,10 +32,10 @@ namespace gpu_offload::torch_ext {
 
 namespace {
 
-struct Names {
+struct ModuleNames {
   py::object parts[3];
   py::object methods[4];
-  Names() {
+  ModuleNames() {
     for (int i = 0; i < 3; ++i) {
       parts[i] = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(kModuleParts[i]));
     }
@@ -45,8 +45,8 @@ struct Names {
   }
 };
 
-const Names& names() {
-  static const Names* n = new Names();  // (never freed: lives as long as the interpreter)
+const ModuleNames& module_names() {
+  static const ModuleNames* n = new ModuleNames();  // (never freed: lives as long as the interpreter)
   return *n;
 }
 
@@ -65,7 +65,7 @@ class Walker {
       PyErr_Clear();
       return false;
     }
-    for (const py::object& method : names().methods) {
+    for (const py::object& method : module_names().methods) {
       const int found = PyDict_Contains(dict.ptr(), method.ptr());
       if (found != 0) {
         if (found < 0) PyErr_Clear();
@@ -74,7 +74,7 @@ class Walker {
     }
     py::object parts[3];
     for (int p = 0; p < 3; ++p) {
-      PyObject* part = PyDict_GetItemWithError(dict.ptr(), names().parts[p].ptr());  // (borrowed)
+      PyObject* part = PyDict_GetItemWithError(dict.ptr(), module_names().parts[p].ptr());  // (borrowed)
       if (part == nullptr || !PyDict_CheckExact(part)) {  // (an OrderedDict's order is not its table's)
         PyErr_Clear();
         return false;

@@ -36,17 +36,6 @@ namespace gpu_offload::torch_ext {
 namespace {
 
 
-struct Names {
-  PyObject* param_groups = PyUnicode_InternFromString("param_groups");
-  PyObject* state = PyUnicode_InternFromString("state");
-  PyObject* params = PyUnicode_InternFromString("params");
-};
-
-const Names& names() {
-  static const Names* n = new Names();  // never freed: lives as long as the interpreter
-  return *n;
-}
-
 // An object's instance __dict__ when it is an exact dict, else nullptr (no error set).
 PyObject* instance_dict(PyObject* obj) {
   PyObject** dict_ptr = _PyObject_GetDictPtr(obj);
@@ -105,7 +94,7 @@ class OptimizerTree {
 
 namespace {
 
-bool same_items(PyObject* list, const PyObject* const* recorded, size_t n) {
+bool same_list_items(PyObject* list, const PyObject* const* recorded, size_t n) {
   if (!PyList_CheckExact(list) || static_cast<size_t>(PyList_GET_SIZE(list)) != n) return false;
   return n == 0 || std::memcmp(reinterpret_cast<PyListObject*>(list)->ob_item, recorded, n * sizeof(PyObject*)) == 0;
 }
@@ -120,23 +109,23 @@ bool unchanged(OptimizerTree& t, PyObject* optimizer) {
   if (dict == nullptr) return false;
   if (dict != t.dict || version_of(dict) != t.dict_version) {
     // (Only where a lookup runs no code, which could change or free what this check has already passed.)
-    if (!str_keyed(dict) || item_of(dict, names().param_groups) != t.groups ||
-        item_of(dict, names().state) != t.state) {
+    if (!str_keyed(dict) || item_of(dict, optimizer_keys().param_groups) != t.groups ||
+        item_of(dict, optimizer_keys().state) != t.state) {
       return false;
     }
     t.dict = dict;
     t.dict_version = version_of(dict);
   }
   // (groups is alive: the unchanged __dict__ holds it; the group dicts are its items, compared.)
-  if (!same_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return false;
+  if (!same_list_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return false;
   for (size_t g = 0; g < t.group_dicts.size(); ++g) {
     PyObject* group = t.group_dicts[g];
     if (version_of(group) != t.group_versions[g]) {
-      if (!str_keyed(group) || item_of(group, names().params) != t.params_lists[g]) return false;
+      if (!str_keyed(group) || item_of(group, optimizer_keys().params) != t.params_lists[g]) return false;
       t.group_versions[g] = version_of(group);
     }
     const size_t at = t.params_at[g];
-    if (!same_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return false;
+    if (!same_list_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return false;
   }
   if (version_of(t.state) != t.state_version) return false;
   // (Each recorded state dict is alive: the unchanged state dict holds it.)
@@ -177,8 +166,8 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   // Python, whose lookups hold what they read.
   if (t.dict == nullptr || !str_keyed(t.dict)) return py::none();
   t.dict_version = version_of(t.dict);
-  t.groups = item_of(t.dict, names().param_groups);
-  t.state = item_of(t.dict, names().state);
+  t.groups = item_of(t.dict, optimizer_keys().param_groups);
+  t.state = item_of(t.dict, optimizer_keys().state);
   // The state: a dict or torch's defaultdict (a subclass with a `get` of its own would be asked otherwise).
   static PyObject* defaultdict = py::object(py::module_::import("collections").attr("defaultdict")).release().ptr();
   if (t.groups == nullptr || !PyList_CheckExact(t.groups) || t.state == nullptr ||
@@ -204,7 +193,7 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   for (Py_ssize_t g = 0; g < num_groups; ++g) {
     PyObject* group = PyList_GET_ITEM(t.groups, g);
     if (!PyDict_CheckExact(group) || !str_keyed(group)) return py::none();
-    PyObject* params = item_of(group, names().params);
+    PyObject* params = item_of(group, optimizer_keys().params);
     if (params == nullptr || !PyList_CheckExact(params)) return py::none();
     held.push_back(py::reinterpret_borrow<py::object>(group));
     held.push_back(py::reinterpret_borrow<py::object>(params));
@@ -283,10 +272,10 @@ py::object build_optimizer_tree(py::handle optimizer_handle) {
   for (size_t i = 0; i < t.param_states.size(); ++i) {
     if (t.param_states[i] != nullptr && version_of(t.param_states[i]) != t.param_state_versions[i]) return py::none();
   }
-  if (!same_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return py::none();
+  if (!same_list_items(t.groups, t.group_dicts.data(), t.group_dicts.size())) return py::none();
   for (size_t g = 0; g < t.group_dicts.size(); ++g) {
     const size_t at = t.params_at[g];
-    if (!same_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return py::none();
+    if (!same_list_items(t.params_lists[g], t.params.data() + at, t.params_at[g + 1] - at)) return py::none();
   }
   return py::make_tuple(py::cast(tree.release(), py::return_value_policy::take_ownership), names_out, tensors_out);
 }

@@ -25,17 +25,6 @@ namespace gpu_offload::torch_ext {
 
 namespace {
 
-struct OptimizerNames {
-  py::object param_groups = py::reinterpret_steal<py::object>(PyUnicode_InternFromString("param_groups"));
-  py::object state = py::reinterpret_steal<py::object>(PyUnicode_InternFromString("state"));
-  py::object params = py::reinterpret_steal<py::object>(PyUnicode_InternFromString("params"));
-};
-
-const OptimizerNames& optimizer_names() {
-  static const OptimizerNames* n = new OptimizerNames();  // (never freed: lives as long as the interpreter)
-  return *n;
-}
-
 // A dict's item, held, or an empty object (no error set).
 py::object held_item(PyObject* dict, PyObject* key) {
   PyObject* value = PyDict_GetItemWithError(dict, key);
@@ -56,7 +45,7 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
 #endif
   PyObject* optimizer = optimizer_handle.ptr();
   PyTypeObject* type = Py_TYPE(optimizer);
-  const OptimizerNames& names = optimizer_names();
+  const OptimizerKeys& names = optimizer_keys();
   if (!plain_optimizer_class(type)) return py::none();
   py::object hold_optimizer = py::reinterpret_borrow<py::object>(optimizer_handle);
   py::object dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(optimizer, nullptr));
@@ -64,8 +53,8 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
     PyErr_Clear();
     return py::none();
   }
-  py::object groups = held_item(dict.ptr(), names.param_groups.ptr());
-  py::object state = held_item(dict.ptr(), names.state.ptr());
+  py::object groups = held_item(dict.ptr(), names.param_groups);
+  py::object state = held_item(dict.ptr(), names.state);
   // The state: a dict or torch's defaultdict (a subclass with a `get` of its own would be asked otherwise).
   static PyObject* defaultdict = py::object(py::module_::import("collections").attr("defaultdict")).release().ptr();
   if (!groups || !PyList_CheckExact(groups.ptr()) || !state ||
@@ -79,7 +68,7 @@ py::object walk_optimizer(py::handle optimizer_handle, py::handle previous) {
   for (Py_ssize_t g = 0; g < num_groups && g < PyList_GET_SIZE(groups.ptr()); ++g) {
     py::object group = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(groups.ptr(), g));
     if (!PyDict_CheckExact(group.ptr())) return py::none();
-    py::object listed = held_item(group.ptr(), names.params.ptr());
+    py::object listed = held_item(group.ptr(), names.params);
     if (!listed || !PyList_CheckExact(listed.ptr())) return py::none();
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(listed.ptr()); ++k) {
       params.push_back(py::reinterpret_borrow<py::object>(PyList_GET_ITEM(listed.ptr(), k)));

@@ -20,6 +20,19 @@ namespace gpu_offload::torch_ext {
 inline const char* const kModuleParts[3] = {"_parameters", "_buffers", "_modules"};
 inline const char* const kModuleMethods[4] = {"named_modules", "named_parameters", "named_buffers", "_named_members"};
 
+// The keys of a torch optimizer's own state the traversals read (interned once, never freed: they live as
+// long as the interpreter; first asked for with the GIL held).
+struct OptimizerKeys {
+  PyObject* param_groups = PyUnicode_InternFromString("param_groups");
+  PyObject* state = PyUnicode_InternFromString("state");
+  PyObject* params = PyUnicode_InternFromString("params");
+};
+
+inline const OptimizerKeys& optimizer_keys() {
+  static const OptimizerKeys* keys = new OptimizerKeys();
+  return *keys;
+}
+
 // A class attribute as the type's MRO has it (borrowed; also gives the class a version tag), or nullptr.
 inline PyObject* class_attribute(PyTypeObject* type, const char* name) {
   PyObject* key = PyUnicode_InternFromString(name);
