@@ -35,7 +35,6 @@ namespace gpu_offload::torch_ext {
 #if GPU_OFFLOAD_OPTIMIZER_TREE
 namespace {
 
-
 // An object's instance __dict__ when it is an exact dict, else nullptr (no error set).
 PyObject* instance_dict(PyObject* obj) {
   PyObject** dict_ptr = _PyObject_GetDictPtr(obj);
