@@ -490,6 +490,31 @@ def test_an_fsdp2_model_walked_each_call_reads_what_the_python_walk_reads(monkey
     run_ranks(_check_fsdp2_walk, 1)
 
 
+def _check_fsdp2_walk_reshards_a_group_it_did_not_keep(rank: int, world_size: int) -> None:
+    from gpu_offload import adapters
+
+    a, _ = _make("fsdp2", world_size)
+    assert _read(a, False) == _walked(a, False)
+    groups = list(fsdp_adapter._fsdp2_groups(a))
+    kept = adapters._walked_fsdp2[a]
+    assert len(kept[0][0]) == len(groups) > 1
+    # What the walk kept holds every group but the root's (as when the model's groups changed since), and a
+    # no_grad forward leaves the root's unsharded: the kept groups' reshard before the walk leaves it so, the
+    # walk meets its unsharded parameters, and FSDP2's checks then reshard it. The walk must run again after
+    # that (the tensors it met are not the ones to name), and its record be made again, of every group.
+    adapters._walked_fsdp2[a] = (fsdp_adapter.group_refs(a, groups[1:]), kept[1], kept[2])
+    _probe(a)
+    assert groups[0][1] is a and not groups[0][2].is_sharded
+    assert _read(a, False) == _walked(a, False)
+    assert len(adapters._walked_fsdp2[a][0][0]) == len(groups), "not walked again after the reshard"
+
+
+def test_an_fsdp2_model_walked_each_call_walks_again_after_resharding_a_group_it_did_not_keep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _walk_each_call(monkeypatch)
+    run_ranks(_check_fsdp2_walk_reshards_a_group_it_did_not_keep, 1)
+
+
 def test_an_fsdp2_model_walked_each_call_names_ignored_parameters_as_the_python_walk_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _walk_each_call(monkeypatch)
